@@ -1,0 +1,137 @@
+"""Checkpoints that survive crashes: atomic writes, auto-resume, weights-only loading.
+
+A checkpoint is written to a temporary file, flushed and fsynced, then renamed over its final name
+(a rename is atomic on POSIX), and the folder is fsynced so the rename itself is durable. A crash
+mid-save therefore leaves the previous checkpoint intact. `last.pt` is a hard link to the newest
+numbered checkpoint. Loading uses `torch.load(weights_only=True)`: a checkpoint cannot run code.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+#: Settings that change the model's shapes or meaning: a checkpoint must agree on all of them.
+MODEL_KEYS = ("backbone", "norm", "sync_bn", "num_classes")
+_NUMBERED = re.compile(r"^step_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and why."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj, path: Path) -> None:
+    """`torch.save` to a temp file in the same folder, fsync, rename over `path`, fsync the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def rng_state() -> dict:
+    """This process's random generators (Python, NumPy, torch CPU and CUDA) as plain tensors."""
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
+             "numpy_pos": int(np_state[2]), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(ckpt_dir: Path, payload: dict, step: int, keep: int) -> Path:
+    """Write `step_<N>.pt`, point `last.pt` at it, and delete numbered ones beyond the newest `keep`."""
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / f"step_{step:07d}.pt"
+    atomic_save(payload, path)
+    link = ckpt_dir / f".last.pt.tmp-{os.getpid()}"
+    link.unlink(missing_ok=True)
+    try:
+        os.link(path, link)
+    except OSError:  # filesystems without hard links get a copy
+        atomic_save(payload, link)
+    os.replace(link, ckpt_dir / "last.pt")
+    _fsync_dir(ckpt_dir)
+    for old in numbered(ckpt_dir)[keep:]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def numbered(ckpt_dir: Path) -> list[Path]:
+    """Numbered checkpoints, newest first."""
+    if not Path(ckpt_dir).is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in Path(ckpt_dir).iterdir() if (m := _NUMBERED.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def load(path: Path) -> dict:
+    """Load a checkpoint safely; a truncated or foreign file raises `CheckpointError` naming it."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: checkpoint not found") from None
+    except Exception as err:  # truncated zip, not a torch file, unsafe pickle...
+        raise CheckpointError(f"{path}: cannot be loaded ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+    if not isinstance(payload, dict) or "model" not in payload or "state" not in payload:
+        raise CheckpointError(f"{path}: not a maskrcnn_tut checkpoint (no model/state entries)")
+    return payload
+
+
+def newest_loadable(ckpt_dir: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint in `ckpt_dir` that loads, warning about each one that does not."""
+    for path in numbered(ckpt_dir):
+        try:
+            return path, load(path)
+        except CheckpointError as err:
+            log.warning("%s; falling back to the previous checkpoint", err)
+    return None
+
+
+def check_compatible(saved_cfg: dict, cfg: dict, path: Path) -> None:
+    """Refuse a checkpoint whose model settings differ from this run's, saying what differs."""
+    diffs = [f"{k}: checkpoint {saved_cfg.get(k)!r} vs run {cfg.get(k)!r}"
+             for k in MODEL_KEYS if saved_cfg.get(k) != cfg.get(k)]
+    if diffs:
+        raise CheckpointError(f"{path}: does not match this run's model ({'; '.join(diffs)})")
+
+
+def set_aside_old_run(ckpt_dir: Path) -> Path | None:
+    """A fresh run in a folder with checkpoints moves them aside rather than mixing or deleting."""
+    ckpt_dir = Path(ckpt_dir)
+    if not numbered(ckpt_dir):
+        return None
+    aside = ckpt_dir.with_name(f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.rename(ckpt_dir, aside)
+    return aside

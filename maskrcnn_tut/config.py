@@ -1,0 +1,332 @@
+"""Every knob of a training run in one dataclass, the hardware presets, CLI parsing and validation.
+
+A run's settings are resolved in three layers: dataclass defaults, then the preset (picked from the
+hardware when `--preset` is not given), then the flags the user typed. `validate` rejects bad
+settings before any heavy work with a `ConfigError` whose message names the flag.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: The global batch the presets' learning rates are tuned for; `--lr` is scaled by
+#: global_batch / REFERENCE_BATCH (the linear scaling rule of Goyal et al., 2017).
+REFERENCE_BATCH = 8
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the flag and what is allowed."""
+
+
+@dataclass
+class Config:
+    # data
+    data_path: str | None = None
+    train_json: str | None = None
+    train_images: str | None = None
+    val_json: str | None = None
+    val_images: str | None = None
+    shapes_train: int = 2000
+    shapes_val: int = 200
+    shapes_seed: int = 0
+    # model
+    preset: str | None = None
+    backbone: str = "resnet18"
+    norm: str = "bn"
+    sync_bn: bool = False
+    min_size: int = 128
+    max_size: int = 192
+    rpn_pre_nms_top_n: int = 200
+    rpn_post_nms_top_n: int = 100
+    rpn_batch_size_per_image: int = 64
+    box_batch_size_per_image: int = 64
+    weights: str | None = None
+    # optimisation
+    batch_size: int = 4
+    epochs: int = 1
+    max_steps: int | None = 450
+    optimizer: str = "adamw"
+    lr: float = 2e-3
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    warmup_steps: int = 50
+    accum_steps: int = 1
+    clip_grad_norm: float | None = None
+    amp: bool = False
+    amp_dtype: str | None = None
+    # data loading
+    workers: int = 1
+    persistent_workers: bool = True
+    prefetch_factor: int = 2
+    pin_memory: bool | None = None
+    aspect_ratio_group_factor: int = -1
+    # distributed
+    dist_backend: str | None = None
+    dist_timeout: float = 600.0
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
+    grad_compression: str = "none"
+    # speed flags and reproducibility
+    cudnn_benchmark: bool = False
+    deterministic: bool = False
+    channels_last: bool = False
+    seed: int = 0
+    # evaluation, logging, checkpoints
+    eval_every: int | None = None
+    print_freq: int = 10
+    output_dir: str | None = None
+    resume: str | None = None
+    test_only: bool = False
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    skip_nonfinite: int = 0
+    progress: bool = True
+    # resolved at start-up (not flags)
+    world_size: int = 1
+    global_batch_size: int = 0
+    base_lr: float = 0.0
+    device: str = "cpu"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Learns from scratch on the shapes dataset on 2 CPU cores: ResNet-18 FPN with trainable
+    # BatchNorm at 128 px, light RPN/RoI sampling, AdamW.
+    "cpu-tiny": dict(
+        backbone="resnet18", norm="bn", min_size=128, max_size=192,
+        rpn_pre_nms_top_n=200, rpn_post_nms_top_n=100,
+        rpn_batch_size_per_image=64, box_batch_size_per_image=64,
+        batch_size=4, max_steps=450, optimizer="adamw", lr=2e-3, weight_decay=1e-4,
+        warmup_steps=50, workers=1,
+    ),
+    # The usual Mask R-CNN R50-FPN recipe (torchvision's reference sizes and sampling).
+    "gpu-r50": dict(
+        backbone="resnet50", norm="bn", min_size=800, max_size=1333,
+        rpn_pre_nms_top_n=2000, rpn_post_nms_top_n=2000,
+        rpn_batch_size_per_image=256, box_batch_size_per_image=512,
+        batch_size=2, max_steps=None, epochs=26, optimizer="sgd", lr=0.08, weight_decay=1e-4,
+        warmup_steps=1000, workers=8, amp=True, cudnn_benchmark=True,
+    ),
+}
+
+BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
+NORMS = ("bn", "frozen", "gn")
+OPTIMIZERS = ("adamw", "sgd")
+AMP_DTYPES = ("float16", "bfloat16")
+COMPRESSIONS = ("none", "fp16", "bf16")
+
+
+def default_preset() -> str:
+    """The preset the hardware calls for: `gpu-r50` when CUDA is visible, else `cpu-tiny`."""
+    return "gpu-r50" if torch.cuda.is_available() else "cpu-tiny"
+
+
+def resolve(cfg: Config, explicit: set[str] | None = None) -> Config:
+    """Fill `cfg` from its preset, keeping every field named in `explicit` (set by the user)."""
+    explicit = explicit or set()
+    preset = cfg.preset or default_preset()
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    cfg.preset = preset
+    for key, value in PRESETS[preset].items():
+        if key not in explicit:
+            setattr(cfg, key, value)
+    if "epochs" in explicit and "max_steps" not in explicit:
+        cfg.max_steps = None  # the user asked for epochs, not the preset's step budget
+    return cfg
+
+
+def make_config(preset: str | None = None, **overrides: Any) -> Config:
+    """A resolved config for code and notebooks: `make_config("cpu-tiny", batch_size=2)`."""
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(Config)}
+    if unknown:
+        raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    cfg = Config(preset=preset, **overrides)
+    return resolve(cfg, explicit=set(overrides))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_size: int = 1) -> None:
+    """Raise `ConfigError` for the first setting that cannot work, before any heavy work."""
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    positive = ["batch_size", "epochs", "accum_steps", "min_size", "max_size", "print_freq",
+                "checkpoint_every", "keep_checkpoints", "shapes_train", "shapes_val",
+                "rpn_pre_nms_top_n", "rpn_post_nms_top_n", "rpn_batch_size_per_image",
+                "box_batch_size_per_image", "prefetch_factor"]
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{_flag(name)} must be a positive integer, got {getattr(cfg, name)}")
+    for name in ("max_steps", "eval_every"):
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{_flag(name)} must be a positive integer, got {value}")
+    if cfg.lr <= 0:
+        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.workers < 0:
+        raise ConfigError(f"--workers must be 0 or more, got {cfg.workers}")
+    if cfg.warmup_steps < 0 or cfg.skip_nonfinite < 0:
+        raise ConfigError("--warmup-steps and --skip-nonfinite must be 0 or more")
+    if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
+        raise ConfigError(f"--clip-grad-norm must be positive, got {cfg.clip_grad_norm}")
+    if cfg.dist_timeout <= 0:
+        raise ConfigError(f"--dist-timeout must be positive seconds, got {cfg.dist_timeout}")
+    for name, allowed in (("backbone", BACKBONES), ("norm", NORMS), ("optimizer", OPTIMIZERS),
+                          ("grad_compression", COMPRESSIONS)):
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{_flag(name)}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    if cfg.amp_dtype is not None and cfg.amp_dtype not in AMP_DTYPES:
+        raise ConfigError(f"--amp-dtype: {cfg.amp_dtype!r} is not one of {', '.join(AMP_DTYPES)}")
+    if not cuda and cfg.amp_dtype == "float16":
+        raise ConfigError("--amp-dtype float16 needs a CUDA GPU; on CPU use --amp-dtype bfloat16 "
+                          "(the default for --amp on CPU)")
+    if cfg.dist_backend not in (None, "gloo", "nccl"):
+        raise ConfigError(f"--dist-backend: {cfg.dist_backend!r} is not one of gloo, nccl")
+    if cfg.dist_backend == "nccl" and not cuda:
+        raise ConfigError("--dist-backend nccl needs CUDA GPUs; none are visible (use gloo)")
+    if cuda and cfg.dist_backend != "gloo" and local_world_size > torch.cuda.device_count():
+        raise ConfigError(f"--nproc-per-node {local_world_size} is more than the "
+                          f"{torch.cuda.device_count()} visible GPU(s): nccl needs one GPU per process")
+    if cfg.grad_compression != "none" and not cuda:
+        raise ConfigError("--grad-compression needs CUDA GPUs (its DDP hooks are for nccl); use none on CPU")
+    if cfg.sync_bn and cfg.norm != "bn":
+        raise ConfigError(f"--sync-bn converts BatchNorm layers; it does not apply to --norm {cfg.norm}")
+    if cfg.test_only and not (cfg.resume or cfg.weights):
+        raise ConfigError("--test-only needs a model to evaluate: give --resume PATH or --weights PATH")
+    if cfg.data_path is not None:
+        root = Path(cfg.data_path)
+        if not root.is_dir():
+            raise ConfigError(f"--data-path {cfg.data_path}: no such directory")
+        for split in ("train", "val"):
+            ann = root / "annotations" / f"instances_{split}2017.json"
+            if getattr(cfg, f"{split}_json") is None and not ann.is_file():
+                raise ConfigError(f"--data-path {cfg.data_path}: no annotations/instances_{split}2017.json "
+                                  f"(expected COCO layout: annotations/instances_{{train,val}}2017.json "
+                                  f"and {{train,val}}2017/; or give --{split}-json)")
+    elif (cfg.train_json is None) != (cfg.val_json is None):
+        raise ConfigError("--train-json and --val-json go together (or use --data-path)")
+    for name in ("train_json", "val_json", "train_images", "val_images", "weights"):
+        value = getattr(cfg, name)
+        if value is not None and not Path(value).exists():
+            raise ConfigError(f"{_flag(name)} {value}: no such file or directory")
+    if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_file():
+        raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (use --resume auto to "
+                          "resume from the newest checkpoint in --output-dir)")
+    if cfg.output_dir is not None:
+        out = Path(cfg.output_dir)
+        probe = out
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if probe.exists() and (not probe.is_dir() or not os.access(probe, os.W_OK)):
+            raise ConfigError(f"--output-dir {cfg.output_dir}: cannot write there ({probe} is not a writable directory)")
+
+
+HELP = {
+    "data_path": "COCO root with annotations/instances_{train,val}2017.json and {train,val}2017/; "
+                 "default: the embedded shapes dataset, generated on first use into the cache",
+    "train_json": "train annotation json (overrides the --data-path layout)",
+    "train_images": "train image folder (with --train-json)",
+    "val_json": "validation annotation json",
+    "val_images": "validation image folder (with --val-json)",
+    "shapes_train": "images in the generated shapes train split",
+    "shapes_val": "images in the generated shapes validation split",
+    "shapes_seed": "seed of the generated shapes dataset",
+    "preset": f"hardware preset ({', '.join(PRESETS)}); default: gpu-r50 with CUDA, else cpu-tiny",
+    "backbone": "ResNet FPN backbone",
+    "norm": "normalization: bn (trainable, from scratch), frozen (only with pretrained --weights), gn",
+    "sync_bn": "convert BatchNorm to SyncBatchNorm across processes",
+    "min_size": "shorter image side after resizing (pixels)",
+    "max_size": "longer image side cap after resizing (pixels)",
+    "rpn_pre_nms_top_n": "RPN proposals kept before NMS per image (training)",
+    "rpn_post_nms_top_n": "RPN proposals kept after NMS per image (training)",
+    "rpn_batch_size_per_image": "anchors sampled per image for the RPN loss",
+    "box_batch_size_per_image": "RoIs sampled per image for the box and mask heads",
+    "weights": "local state dict (.pt) to start from; nothing is ever downloaded",
+    "batch_size": "images per process per micro-step",
+    "epochs": "passes over the training set (ignored when --max-steps is set)",
+    "max_steps": "stop after this many optimizer steps (overrides --epochs)",
+    "optimizer": "optimizer",
+    "lr": f"learning rate for a global batch of {REFERENCE_BATCH} images; scaled linearly to the "
+          "actual global batch (batch-size x accum-steps x processes)",
+    "momentum": "SGD momentum",
+    "weight_decay": "weight decay",
+    "warmup_steps": "linear warm-up length in optimizer steps, then cosine decay",
+    "accum_steps": "micro-steps accumulated per optimizer step (DDP syncs only on the last)",
+    "clip_grad_norm": "clip the global gradient norm to this value",
+    "amp": "mixed precision: fp16 + GradScaler on CUDA, bf16 on CPU",
+    "amp_dtype": "autocast dtype: float16 (CUDA only) or bfloat16",
+    "workers": "DataLoader worker processes per training process",
+    "persistent_workers": "keep DataLoader workers alive between epochs",
+    "prefetch_factor": "batches each worker loads ahead",
+    "pin_memory": "page-locked host memory for faster copies (default: on with CUDA, off on CPU)",
+    "aspect_ratio_group_factor": "group images of similar aspect ratio into batches (-1: off)",
+    "dist_backend": "process-group backend (default: nccl with CUDA, else gloo)",
+    "dist_timeout": "seconds a collective may wait before the run fails instead of hanging",
+    "bucket_cap_mb": "DDP gradient bucket size (MB)",
+    "gradient_as_bucket_view": "let gradients alias DDP's buckets (saves a copy and memory)",
+    "static_graph": "tell DDP the graph is the same every step",
+    "broadcast_buffers": "broadcast BatchNorm buffers from rank 0 each forward",
+    "find_unused_parameters": "let DDP handle parameters without gradients (slower)",
+    "grad_compression": "compress gradients to fp16/bf16 before all-reduce (CUDA only)",
+    "cudnn_benchmark": "let cuDNN time convolution algorithms (good for fixed sizes)",
+    "deterministic": "deterministic algorithms and cuDNN (slower; for exact reproducibility)",
+    "channels_last": "NHWC memory format for the backbone (faster tensor cores on GPUs)",
+    "seed": "seed of model init (same on every rank) and data order",
+    "eval_every": "evaluate every N optimizer steps (always at the end)",
+    "print_freq": "log metrics every N optimizer steps",
+    "output_dir": "where config.json, metrics.jsonl, eval.jsonl, checkpoints/ and TensorBoard go "
+                  "(default: runs/<date-time>)",
+    "resume": "checkpoint to resume from, or 'auto' for the newest good one in --output-dir",
+    "test_only": "only evaluate the --resume/--weights model",
+    "checkpoint_every": "save a checkpoint every N optimizer steps (and at the end)",
+    "keep_checkpoints": "numbered checkpoints to keep besides last.pt",
+    "skip_nonfinite": "skip up to N optimizer steps with a non-finite loss instead of stopping",
+    "progress": "show a progress bar on rank 0",
+}
+
+_RESOLVED = {"world_size", "global_batch_size", "base_lr", "device"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchrun [--nproc_per_node=N] maskrcnn_tut/train.py",
+        description="Train Mask R-CNN on COCO-format data, on CPUs (gloo) or GPUs (nccl). "
+                    "With no flags it trains on the embedded shapes dataset with the preset the "
+                    "hardware calls for.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in dataclasses.fields(Config):
+        if f.name in _RESOLVED:
+            continue
+        flag = _flag(f.name)
+        if str(f.type).startswith("bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=HELP[f.name] + f" (default: {f.default})")
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper(),
+                            help=HELP[f.name] + (f" (default: {f.default})" if f.default is not None else ""))
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
+    """Parse flags into a resolved `Config`; returns (config, print_config_only)."""
+    args = vars(build_parser().parse_args(argv))
+    print_only = args.pop("print_config")
+    given = {k: v for k, v in args.items() if v is not None}
+    cfg = Config(**given)
+    return resolve(cfg, explicit=set(given)), print_only

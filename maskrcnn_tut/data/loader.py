@@ -1,0 +1,149 @@
+"""From a dataset to batches: transforms, collate, samplers and the DataLoader knobs of chapter 3.
+
+Batches stay uint8 on the host (four times less to copy than float32); `to_device` converts them
+to float on the device. Sampling is deterministic given (seed, epoch), and `ResumableBatches`
+can skip the batches a resumed run has already seen, so a restart continues the same sequence.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+
+from .coco import CocoDetection, coco_paths
+
+
+def train_transforms() -> v2.Transform:
+    """Augmentations that move boxes and masks with the pixels (tv_tensors do the bookkeeping)."""
+    return v2.RandomHorizontalFlip(p=0.5)
+
+
+def collate(batch):
+    """Detection batches are lists: images differ in size and targets in instance count."""
+    return tuple(zip(*batch))
+
+
+def to_device(images, targets, device: torch.device, non_blocking: bool = False):
+    """Move a batch to `device` and scale uint8 pixels to float in [0, 1] there."""
+    images = [img.to(device, non_blocking=non_blocking).float().div_(255) for img in images]
+    targets = [{k: (v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v)
+                for k, v in t.items()} for t in targets]
+    return images, targets
+
+
+class GroupedBatchSampler(torch.utils.data.Sampler):
+    """Batches of images whose aspect ratios fall in the same bin (less padding per batch).
+
+    With group factor k the bin edges are 2^(j/k) for j = -k..k (log-spaced ratios from 1/2 to 2),
+    as in torchvision's reference; leftovers of all bins are batched together at the end.
+    """
+
+    def __init__(self, sampler, aspect_ratios: list[float], batch_size: int, group_factor: int):
+        self.sampler, self.batch_size = sampler, batch_size
+        bins = sorted(2 ** (k / group_factor) for k in range(-group_factor, group_factor + 1))
+        self.group_ids = [bisect.bisect_right(bins, r) for r in aspect_ratios]
+
+    def __iter__(self):
+        buckets: dict[int, list[int]] = {}
+        for index in self.sampler:
+            bucket = buckets.setdefault(self.group_ids[index], [])
+            bucket.append(index)
+            if len(bucket) == self.batch_size:
+                yield bucket.copy()
+                bucket.clear()
+        # leftovers of all bins make the remaining full batches, so every rank yields len(self)
+        leftovers = [i for bucket in buckets.values() for i in bucket]
+        for start in range(0, len(leftovers) - self.batch_size + 1, self.batch_size):
+            yield leftovers[start:start + self.batch_size]
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
+
+
+class ResumableBatches(torch.utils.data.Sampler):
+    """Wrap a batch sampler: fix the epoch, skip the first `skip` batches, and tag each index with a
+    per-sample seed so augmentation depends only on (seed, epoch, index)."""
+
+    def __init__(self, batch_sampler, seed: int):
+        self.batch_sampler, self.seed = batch_sampler, seed
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip
+        sampler = getattr(self.batch_sampler, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        elif isinstance(sampler, RandomSampler):
+            sampler.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+
+    def __iter__(self) -> Iterator[list]:
+        for number, batch in enumerate(self.batch_sampler):
+            if number >= self.skip:
+                yield [(i, hash((self.seed, self.epoch, i)) & 0x7FFF_FFFF) for i in batch]
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+def loader_kwargs(workers: int, pin_memory: bool, persistent_workers: bool, prefetch_factor: int) -> dict:
+    """DataLoader keyword arguments, dropping the ones that are invalid with `workers=0`."""
+    kwargs = dict(num_workers=workers, pin_memory=pin_memory, collate_fn=collate)
+    if workers > 0:
+        kwargs.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
+    return kwargs
+
+
+def build_train_loader(dataset: CocoDetection, cfg, rank: int, world_size: int) -> DataLoader:
+    """The training DataLoader: DistributedSampler when distributed, optional aspect grouping."""
+    if world_size > 1:
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+    else:
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(cfg.seed))
+    if cfg.aspect_ratio_group_factor >= 0:
+        batches = GroupedBatchSampler(sampler, dataset.aspect_ratios(), cfg.batch_size,
+                                      max(cfg.aspect_ratio_group_factor, 1))
+    else:
+        batches = torch.utils.data.BatchSampler(sampler, cfg.batch_size, drop_last=True)
+    if len(batches) == 0:
+        raise ValueError(f"the training set has {len(dataset)} usable images: too few for "
+                         f"--batch-size {cfg.batch_size} on {world_size} process(es)")
+    return DataLoader(dataset, batch_sampler=ResumableBatches(batches, cfg.seed),
+                      **loader_kwargs(cfg.workers, bool(cfg.pin_memory), cfg.persistent_workers,
+                                      cfg.prefetch_factor))
+
+
+def build_eval_loader(dataset: CocoDetection, cfg, rank: int, world_size: int) -> DataLoader:
+    """Each rank evaluates every world_size-th image: no padding, so no duplicated predictions."""
+    shard = torch.utils.data.Subset(dataset, list(range(rank, len(dataset), world_size)))
+    return DataLoader(shard, batch_size=cfg.batch_size, sampler=SequentialSampler(shard),
+                      **loader_kwargs(min(cfg.workers, 1), bool(cfg.pin_memory), False, cfg.prefetch_factor))
+
+
+def dataset_paths(cfg, split: str) -> tuple[Path, Path]:
+    """(image folder, json) for `split` from --train-json/--val-json or the --data-path layout."""
+    ann = cfg.train_json if split == "train" else cfg.val_json
+    images = cfg.train_images if split == "train" else cfg.val_images
+    if ann is not None:
+        return Path(images) if images else Path(ann).parent, Path(ann)
+    return coco_paths(cfg.data_path, split)
+
+
+def build_datasets(cfg) -> tuple[CocoDetection, CocoDetection]:
+    train = CocoDetection(*dataset_paths(cfg, "train"), transforms=train_transforms(), train=True)
+    val = CocoDetection(*dataset_paths(cfg, "val"), transforms=None, train=False)
+    return train, val
+
+
+def steps_per_epoch(loader: DataLoader, accum_steps: int) -> int:
+    return max(len(loader.batch_sampler) // accum_steps, 1)
+
+
+def epochs_for(max_steps: int, loader: DataLoader, accum_steps: int) -> int:
+    return math.ceil(max_steps / steps_per_epoch(loader, accum_steps))

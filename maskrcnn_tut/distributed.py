@@ -1,0 +1,262 @@
+"""Processes, devices and collectives: torchrun's environment, DDP with its knobs, a notebook launcher.
+
+One process per device. `init_distributed` reads what torchrun (or `launch`) put in the
+environment, picks nccl for GPUs and gloo for CPUs, pins one GPU per process from LOCAL_RANK and
+gives each CPU process its share of the cores. It joins the process group through a key space of
+its own for each torchrun restart round, so a restarted group never reads a dead round's addresses.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import random
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    backend: str | None = None
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_INFO = DistInfo()
+
+
+def info() -> DistInfo:
+    """This process's place in the group (rank 0 of 1 before `init_distributed`)."""
+    return _INFO
+
+
+def env_world() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from torchrun's environment variables."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return (int(os.environ.get("RANK", 0)), world, int(os.environ.get("LOCAL_RANK", 0)), local_world)
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _round_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, prefixed by torchrun's restart count (see findings on gloo restarts)."""
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(addr, port, world_size=None if agent_store else world_size,
+                          is_master=rank == 0 and not agent_store, timeout=timeout,
+                          wait_for_workers=False)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"maskrcnn_tut/round{restart}/", store)
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
+    """Join the process group described by the environment; a single process needs none."""
+    global _INFO
+    rank, world_size, local_rank, local_world = env_world()
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, cpu_cores() // local_world))
+    if world_size > 1 and not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, store=_round_store(rank, world_size, timeout),
+                                rank=rank, world_size=world_size, timeout=timeout)
+    _INFO = DistInfo(rank, world_size, local_rank, local_world, backend if world_size > 1 else None, device)
+    return _INFO
+
+
+def shutdown() -> None:
+    global _INFO
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _INFO = DistInfo()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks in place (a no-op in one process)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def broadcast_object(obj, src: int = 0):
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and all GPUs) alike."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def wrap_ddp(model: nn.Module, cfg, dist_info: DistInfo) -> nn.Module:
+    """DistributedDataParallel with the config's knobs; the model itself in a single process."""
+    if not dist_info.distributed:
+        return model
+    device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
+    ddp = nn.parallel.DistributedDataParallel(
+        model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view, static_graph=cfg.static_graph,
+        broadcast_buffers=cfg.broadcast_buffers, find_unused_parameters=cfg.find_unused_parameters,
+    )
+    if cfg.grad_compression != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+        ddp.register_comm_hook(None, hook[cfg.grad_compression])
+    return ddp
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP/DP wrapper (what checkpoints and evaluation use)."""
+    return model.module if hasattr(model, "module") else model
+
+
+# --------------------------------------------------------------------------- notebook launcher
+
+
+class WorkerError(RuntimeError):
+    """A worker started by `launch` failed; the message holds its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _QueueWriter:
+    """File-like object that forwards a worker's prints, line by line, to the parent."""
+
+    def __init__(self, messages, rank: int):
+        self.messages, self.rank, self.buffer = messages, rank, ""
+
+    def write(self, text: str) -> int:
+        self.buffer += text
+        *lines, self.buffer = self.buffer.split("\n")
+        for line in lines:
+            self.messages.put(("line", self.rank, line))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.messages.put(("line", self.rank, self.buffer))
+            self.buffer = ""
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _worker(rank: int, nprocs: int, port: int, backend, timeout_s, fn, args, messages) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.stdout = sys.stderr = _QueueWriter(messages, rank)
+    try:
+        init_distributed(backend, timeout_s)
+        result = fn(*args)
+        messages.put(("result", rank, result if rank == 0 else None))
+    except BaseException:  # report everything, SystemExit included, to the parent
+        messages.put(("error", rank, traceback.format_exc()))
+    finally:
+        sys.stdout.flush()
+        shutdown()
+
+
+def launch(fn, nprocs: int, *args, backend: str | None = None, timeout_s: float = 300.0,
+           prefix_output: bool = True):
+    """Run `fn(*args)` in `nprocs` fresh processes joined in one group; return rank 0's result.
+
+    Works from a Jupyter cell: workers are spawned (not forked), their prints appear in the cell
+    as `[rank r] ...`, and a worker's exception is raised here as `WorkerError` with its
+    traceback after every worker has been stopped. `fn` must be importable (defined in a module).
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    messages = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, backend, timeout_s, fn, args, messages),
+                         daemon=True) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    result, finished, error = None, set(), None
+    try:
+        while len(finished) < nprocs and error is None:
+            try:
+                kind, rank, payload = messages.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in finished]
+                if dead:
+                    error = f"worker {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                continue
+            if kind == "line":
+                print(f"[rank {rank}] {payload}" if prefix_output else payload, flush=True)
+            elif kind == "error":
+                error = f"worker {rank} failed:\n{payload}"
+            else:
+                finished.add(rank)
+                if rank == 0:
+                    result = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if error is None else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        while True:  # drain, so the queue's feeder thread can exit
+            try:
+                kind, rank, payload = messages.get_nowait()
+            except (queue.Empty, EOFError, OSError):
+                break
+            if kind == "line":
+                print(f"[rank {rank}] {payload}" if prefix_output else payload, flush=True)
+        messages.close()
+    if error is not None:
+        raise WorkerError(error)
+    return result

@@ -1,0 +1,106 @@
+"""COCO box and mask AP with pycocotools, over predictions gathered from every rank.
+
+Each rank predicts its own shard of the validation images (no sampler padding, so no duplicate
+predictions); rank 0 gathers the COCO-format results and runs `COCOeval` for `bbox` and `segm`.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import numpy as np
+import torch
+from pycocotools import mask as mask_utils
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+from tqdm.auto import tqdm
+
+from . import distributed as du
+from .data.loader import to_device
+
+METRICS = ("AP", "AP50", "AP75")
+
+
+def to_coco_results(outputs: list[dict], image_ids: list[int], label_to_cat: dict[int, int],
+                    mask_threshold: float = 0.5) -> list[dict]:
+    """Model outputs (XYXY boxes, soft masks, contiguous labels) as COCO result dicts."""
+    results = []
+    for output, image_id in zip(outputs, image_ids):
+        boxes = output["boxes"].float().cpu()
+        scores = output["scores"].float().cpu().tolist()
+        labels = output["labels"].cpu().tolist()
+        masks = (output["masks"][:, 0] > mask_threshold).cpu().numpy().astype(np.uint8) if "masks" in output else None
+        xywh = torch.cat([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], dim=1).tolist()
+        for k, (box, score, label) in enumerate(zip(xywh, scores, labels)):
+            result = {"image_id": int(image_id), "category_id": label_to_cat[int(label)],
+                      "bbox": [round(v, 2) for v in box], "score": round(float(score), 5)}
+            if masks is not None:
+                rle = mask_utils.encode(np.asfortranarray(masks[k]))
+                rle["counts"] = rle["counts"].decode("ascii")
+                result["segmentation"] = rle
+            results.append(result)
+    return results
+
+
+def coco_metrics(coco_gt: COCO, results: list[dict], image_ids: list[int] | None = None,
+                 iou_types=("bbox", "segm")) -> dict[str, float]:
+    """`{bbox_AP, bbox_AP50, bbox_AP75, segm_AP, ...}` as fractions 0-1 (0 when nothing predicted)."""
+    metrics = {}
+    for iou_type in iou_types:
+        if not results:
+            metrics.update({f"{iou_type}_{m}": 0.0 for m in METRICS})
+            continue
+        with contextlib.redirect_stdout(io.StringIO()):  # COCOeval prints a lot
+            coco_dt = coco_gt.loadRes(results)
+            evaluator = COCOeval(coco_gt, coco_dt, iou_type)
+            if image_ids is not None:
+                evaluator.params.imgIds = sorted(image_ids)
+            evaluator.evaluate()
+            evaluator.accumulate()
+            evaluator.summarize()
+        for name, value in zip(METRICS, evaluator.stats[:3]):
+            metrics[f"{iou_type}_{name}"] = max(float(value), 0.0)
+    return metrics
+
+
+def coco_from_dict(dataset: dict) -> COCO:
+    """A pycocotools COCO index over an in-memory COCO dict (e.g. `CocoDetection.ground_truth()`)."""
+    coco = COCO()
+    coco.dataset = dataset
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco.createIndex()
+    return coco
+
+
+@torch.inference_mode()
+def predict(model, loader, device, label_to_cat, amp_context=contextlib.nullcontext, progress=False):
+    """COCO results for every image `loader` yields (this rank's shard)."""
+    results, image_ids = [], []
+    for images, targets in tqdm(loader, desc="evaluate", disable=not progress, leave=False):
+        images, _ = to_device(images, [], device)
+        ids = [t["image_id"] for t in targets]
+        with amp_context():
+            outputs = model(images)
+        results.extend(to_coco_results(outputs, ids, label_to_cat))
+        image_ids.extend(ids)
+    return results, image_ids
+
+
+def evaluate(model, loader, coco_gt: COCO, device, label_to_cat, amp_context=contextlib.nullcontext,
+             progress: bool = False) -> dict[str, float] | None:
+    """Predict on every rank's shard, gather on rank 0 and score; None on other ranks."""
+    module = du.unwrap(model)
+    was_training = module.training
+    module.eval()
+    try:
+        results, image_ids = predict(module, loader, device, label_to_cat, amp_context, progress)
+    finally:
+        module.train(was_training)
+    gathered = du.all_gather_objects((results, image_ids))
+    if not du.info().is_main:
+        return None
+    all_results = [r for rank_results, _ in gathered for r in rank_results]
+    all_ids = [i for _, rank_ids in gathered for i in rank_ids]
+    if len(all_ids) != len(set(all_ids)):
+        raise RuntimeError("evaluation saw an image twice: the eval shards overlap")
+    return coco_metrics(coco_gt, all_results, all_ids)

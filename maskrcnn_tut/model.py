@@ -1,0 +1,65 @@
+"""torchvision Mask R-CNN, built from local code only (nothing is ever downloaded).
+
+Training from scratch needs normalization that learns: torchvision's default for pretrained
+backbones, `FrozenBatchNorm2d`, is an identity when its statistics are random. `--norm bn` (the
+default) uses trainable BatchNorm, `gn` GroupNorm, and `frozen` is only for `--weights` that carry
+real statistics. `--sync-bn` turns BatchNorm into SyncBatchNorm across processes.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+from torchvision.models.detection import MaskRCNN
+from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+from torchvision.ops import misc as misc_ops
+
+log = logging.getLogger(__name__)
+
+NORM_LAYERS = {
+    "bn": nn.BatchNorm2d,
+    "frozen": misc_ops.FrozenBatchNorm2d,
+    "gn": functools.partial(nn.GroupNorm, 32),
+}
+
+
+def build_model(cfg, num_classes: int) -> MaskRCNN:
+    """Mask R-CNN with a ResNet-FPN backbone as the config describes, randomly initialised."""
+    backbone = resnet_fpn_backbone(backbone_name=cfg.backbone, weights=None,
+                                   norm_layer=NORM_LAYERS[cfg.norm], trainable_layers=5)
+    model = MaskRCNN(
+        backbone, num_classes=num_classes, min_size=cfg.min_size, max_size=cfg.max_size,
+        rpn_pre_nms_top_n_train=cfg.rpn_pre_nms_top_n, rpn_post_nms_top_n_train=cfg.rpn_post_nms_top_n,
+        rpn_pre_nms_top_n_test=cfg.rpn_pre_nms_top_n, rpn_post_nms_top_n_test=cfg.rpn_post_nms_top_n,
+        rpn_batch_size_per_image=cfg.rpn_batch_size_per_image,
+        box_batch_size_per_image=cfg.box_batch_size_per_image,
+    )
+    if cfg.weights:
+        load_weights(model, cfg.weights)
+    if cfg.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.channels_last:
+        model.backbone = model.backbone.to(memory_format=torch.channels_last)
+    return model
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Load a local state dict; heads whose shape differs (another class count) stay random."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = state.get("model", state)
+    own = model.state_dict()
+    matching = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    skipped = sorted(set(state) - set(matching))
+    if not matching:
+        raise ValueError(f"--weights {path}: no tensor matches this model (is it a Mask R-CNN "
+                         f"state dict for backbone {model.backbone.body.__class__.__name__}?)")
+    model.load_state_dict(matching, strict=False)
+    if skipped:
+        log.warning("--weights %s: %d tensors left at random init (shape or name differs), e.g. %s",
+                    path, len(skipped), ", ".join(skipped[:3]))
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
