@@ -20,7 +20,8 @@ import torch
 log = logging.getLogger(__name__)
 
 #: Settings that change the model's shapes or meaning: a checkpoint must agree on all of them.
-MODEL_KEYS = ("backbone", "norm", "sync_bn", "num_classes")
+MODEL_KEYS = ("backbone", "norm", "sync_bn", "fpn_channels", "mask_head_layers", "mask_head_channels",
+              "box_head_dim", "num_classes")
 _NUMBERED = re.compile(r"^step_(\d+)\.pt$")
 
 

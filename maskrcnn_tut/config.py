@@ -42,6 +42,10 @@ class Config:
     sync_bn: bool = False
     min_size: int = 128
     max_size: int = 192
+    fpn_channels: int = 128
+    mask_head_layers: int = 2
+    mask_head_channels: int = 128
+    box_head_dim: int = 256
     rpn_pre_nms_top_n: int = 200
     rpn_post_nms_top_n: int = 100
     rpn_batch_size_per_image: int = 64
@@ -105,6 +109,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # BatchNorm at 128 px, light RPN/RoI sampling, AdamW.
     "cpu-tiny": dict(
         backbone="resnet18", norm="bn", min_size=128, max_size=192,
+        fpn_channels=128, mask_head_layers=2, mask_head_channels=128, box_head_dim=256,
         rpn_pre_nms_top_n=200, rpn_post_nms_top_n=100,
         rpn_batch_size_per_image=64, box_batch_size_per_image=64,
         batch_size=4, max_steps=450, optimizer="adamw", lr=2e-3, weight_decay=1e-4,
@@ -113,6 +118,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The usual Mask R-CNN R50-FPN recipe (torchvision's reference sizes and sampling).
     "gpu-r50": dict(
         backbone="resnet50", norm="bn", min_size=800, max_size=1333,
+        fpn_channels=256, mask_head_layers=4, mask_head_channels=256, box_head_dim=1024,
         rpn_pre_nms_top_n=2000, rpn_post_nms_top_n=2000,
         rpn_batch_size_per_image=256, box_batch_size_per_image=512,
         batch_size=2, max_steps=None, epochs=26, optimizer="sgd", lr=0.08, weight_decay=1e-4,
@@ -166,7 +172,8 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
     positive = ["batch_size", "epochs", "accum_steps", "min_size", "max_size", "print_freq",
                 "checkpoint_every", "keep_checkpoints", "shapes_train", "shapes_val",
                 "rpn_pre_nms_top_n", "rpn_post_nms_top_n", "rpn_batch_size_per_image",
-                "box_batch_size_per_image", "prefetch_factor"]
+                "box_batch_size_per_image", "prefetch_factor", "fpn_channels", "mask_head_layers",
+                "mask_head_channels", "box_head_dim"]
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{_flag(name)} must be a positive integer, got {getattr(cfg, name)}")
@@ -250,6 +257,10 @@ HELP = {
     "sync_bn": "convert BatchNorm to SyncBatchNorm across processes",
     "min_size": "shorter image side after resizing (pixels)",
     "max_size": "longer image side cap after resizing (pixels)",
+    "fpn_channels": "FPN output channels (torchvision: 256)",
+    "mask_head_layers": "3x3 convs in the mask head (torchvision: 4)",
+    "mask_head_channels": "width of the mask head convs (torchvision: 256)",
+    "box_head_dim": "width of the box head's two FC layers (torchvision: 1024)",
     "rpn_pre_nms_top_n": "RPN proposals kept before NMS per image (training)",
     "rpn_post_nms_top_n": "RPN proposals kept after NMS per image (training)",
     "rpn_batch_size_per_image": "anchors sampled per image for the RPN loss",
@@ -278,7 +289,7 @@ HELP = {
     "bucket_cap_mb": "DDP gradient bucket size (MB)",
     "gradient_as_bucket_view": "let gradients alias DDP's buckets (saves a copy and memory)",
     "static_graph": "tell DDP the graph is the same every step",
-    "broadcast_buffers": "broadcast BatchNorm buffers from rank 0 each forward",
+    "broadcast_buffers": "sync BatchNorm buffers from rank 0 before each forward (DDP's forward_sync_buffers)",
     "find_unused_parameters": "let DDP handle parameters without gradients (slower)",
     "grad_compression": "compress gradients to fp16/bf16 before all-reduce (CUDA only)",
     "cudnn_benchmark": "let cuDNN time convolution algorithms (good for fixed sizes)",

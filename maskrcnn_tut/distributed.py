@@ -141,7 +141,7 @@ def wrap_ddp(model: nn.Module, cfg, dist_info: DistInfo) -> nn.Module:
     ddp = nn.parallel.DistributedDataParallel(
         model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view, static_graph=cfg.static_graph,
-        broadcast_buffers=cfg.broadcast_buffers, find_unused_parameters=cfg.find_unused_parameters,
+        forward_sync_buffers=cfg.broadcast_buffers, find_unused_parameters=cfg.find_unused_parameters,
     )
     if cfg.grad_compression != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
