@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -19,6 +20,15 @@ from torch import nn
 
 from . import distributed as du
 from .data.loader import to_device
+
+
+#: Fault injection for the tests only: "STEP:RANK[,STEP:RANK...]" makes that rank's loss NaN at
+#: that optimizer step (before backward, like a real overflow), to prove the guard stops every rank.
+INJECT_NAN_ENV = "MASKRCNN_TUT_INJECT_NAN"
+
+
+def _inject_nan(step: int, rank: int) -> bool:
+    return f"{step}:{rank}" in os.environ.get(INJECT_NAN_ENV, "").split(",")
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -102,10 +112,13 @@ def _ddp_no_sync(model: nn.Module, last_micro_step: bool):
     return model.no_sync()
 
 
-def _forward_backward(model, images, targets, cfg, device, scaler, accum_steps: int, sync: bool):
+def _forward_backward(model, images, targets, cfg, device, scaler, accum_steps: int, sync: bool,
+                      inject_nan: bool = False):
     with _ddp_no_sync(model, sync):
         with autocast(cfg, device):
             loss_dict = model(images, targets)
+        if inject_nan:
+            loss_dict = {name: value * float("nan") for name, value in loss_dict.items()}
         loss = sum(loss_dict.values())  # a dict of tensors: sum its values, not the dict
         try:
             scaler.scale(loss / accum_steps).backward()
@@ -151,7 +164,8 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg, device, state: 
         images, targets = next(batches)
         images, targets = to_device(images, targets, device, non_blocking=bool(cfg.pin_memory))
         data_time += time.perf_counter() - t_data
-        loss_dict = _forward_backward(model, images, targets, cfg, device, scaler, accum, micro == accum - 1)
+        loss_dict = _forward_backward(model, images, targets, cfg, device, scaler, accum, micro == accum - 1,
+                                      inject_nan=_inject_nan(state.step + 1, info.rank))
         for name, value in loss_dict.items():
             totals[name] = totals.get(name, 0.0) + value.detach().float() / accum
     if not term_names:

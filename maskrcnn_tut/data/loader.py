@@ -93,7 +93,9 @@ class ResumableBatches(torch.utils.data.Sampler):
 
 def loader_kwargs(workers: int, pin_memory: bool, persistent_workers: bool, prefetch_factor: int) -> dict:
     """DataLoader keyword arguments, dropping the ones that are invalid with `workers=0`."""
-    kwargs = dict(num_workers=workers, pin_memory=pin_memory, collate_fn=collate)
+    # A generator of its own: starting an iterator draws a seed, and from the global RNG that draw
+    # would shift the stream RPN/RoI sampling uses whenever a resumed run starts mid-epoch.
+    kwargs = dict(num_workers=workers, pin_memory=pin_memory, collate_fn=collate, generator=torch.Generator())
     if workers > 0:
         kwargs.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
     return kwargs

@@ -1,0 +1,86 @@
+"""The shapes dataset is real COCO and goes through the same loader users' data goes through."""
+import json
+
+import torch
+from pycocotools import mask as mask_utils
+
+from maskrcnn_tut.config import make_config
+from maskrcnn_tut.data.coco import CocoDetection, coco_paths
+from maskrcnn_tut.data.loader import build_train_loader, train_transforms
+from maskrcnn_tut.data.shapes import write_split
+
+
+def test_shapes_are_deterministic_coco_with_polygons_and_rle(tmp_path, shapes_root):
+    again = write_split(tmp_path, "train", 60, seed=0, progress=False)
+    original = shapes_root / "annotations" / "instances_train2017.json"
+    assert json.loads(again.read_text()) == json.loads(original.read_text())
+    data = json.loads(original.read_text())
+    kinds = {type(a["segmentation"]).__name__ for a in data["annotations"]}
+    assert kinds == {"list", "dict"}  # polygons for whole shapes, RLE for partly hidden ones
+    assert {c["name"] for c in data["categories"]} == {"square", "circle", "triangle"}
+    for ann in data["annotations"][:20]:
+        img = next(i for i in data["images"] if i["id"] == ann["image_id"])
+        seg = ann["segmentation"]
+        rle = (mask_utils.merge(mask_utils.frPyObjects(seg, img["height"], img["width"])) if isinstance(seg, list)
+               else seg | {"counts": seg["counts"].encode()})
+        assert abs(int(mask_utils.area(rle)) - ann["area"]) <= 0.15 * ann["area"] + 8
+
+
+def test_targets_masks_follow_a_flip(shapes_root):
+    dataset = CocoDetection(*coco_paths(shapes_root, "train"), transforms=train_transforms())
+    flips = 0
+    for seed in range(8):
+        image, target = dataset[(0, seed)]
+        plain_image, plain = dataset.load(0)
+        if not torch.equal(image, plain_image):
+            flips += 1
+            assert torch.equal(image, plain_image.flip(-1))
+            assert torch.equal(target["masks"], plain["masks"].flip(-1))
+            width = plain_image.shape[-1]
+            assert torch.allclose(target["boxes"][:, 0], width - plain["boxes"][:, 2])
+        again, _ = dataset[(0, seed)]
+        assert torch.equal(again, image)  # augmentation is a function of the sample's seed
+    assert 0 < flips < 8
+
+
+def test_crowd_excluded_categories_remapped_and_bad_boxes_counted(tmp_path, shapes_root):
+    data = json.loads((shapes_root / "annotations" / "instances_val2017.json").read_text())
+    for cat in data["categories"]:
+        cat["id"] *= 10  # sparse ids, as in COCO itself
+    for ann in data["annotations"]:
+        ann["category_id"] *= 10
+    data["annotations"][0]["iscrowd"] = 1
+    data["annotations"][1]["bbox"] = [5, 5, 0, 10]
+    path = tmp_path / "val.json"
+    path.write_text(json.dumps(data))
+    dataset = CocoDetection(shapes_root / "val2017", path, train=True)
+    assert dataset.cat_to_label == {10: 1, 20: 2, 30: 3}
+    assert dataset.report.counts["crowd"] == 1 and dataset.report.counts["degenerate_box"] == 1
+    labels = torch.cat([dataset.load(i)[1]["labels"] for i in range(len(dataset))])
+    assert set(labels.tolist()) <= {1, 2, 3}
+    n_usable = sum(len(t) for t in dataset.targets)
+    assert n_usable == len(data["annotations"]) - 2
+
+
+def test_distributed_loader_gives_each_rank_disjoint_batches(shapes_root):
+    dataset = CocoDetection(*coco_paths(shapes_root, "train"), transforms=train_transforms())
+    cfg = make_config("cpu-tiny", workers=0, batch_size=3)
+    seen = []
+    for rank in range(2):
+        loader = build_train_loader(dataset, cfg, rank, 2)
+        loader.batch_sampler.set_epoch(0)
+        ids = [t["image_id"] for _, targets in loader for t in targets]
+        assert len(ids) == len(loader) * 3
+        seen.append(set(ids))
+    assert not seen[0] & seen[1]
+
+
+def test_resumed_loader_skips_consumed_batches(shapes_root):
+    dataset = CocoDetection(*coco_paths(shapes_root, "train"), transforms=train_transforms())
+    cfg = make_config("cpu-tiny", workers=0, batch_size=4, aspect_ratio_group_factor=3)
+    loader = build_train_loader(dataset, cfg, 0, 1)
+    loader.batch_sampler.set_epoch(2)
+    full = [[t["image_id"] for t in targets] for _, targets in loader]
+    loader.batch_sampler.set_epoch(2, skip=3)
+    resumed = [[t["image_id"] for t in targets] for _, targets in loader]
+    assert resumed == full[3:]
