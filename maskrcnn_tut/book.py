@@ -240,8 +240,9 @@ def line_plot(x: Sequence, series: dict[str, Sequence], title: str, xlabel: str,
 
 
 @torch.inference_mode()
-def show_predictions(model, dataset, count: int = 4, score_threshold: float = 0.5, title: str = ""):
-    """Ground truth (top row) beside the model's masks and boxes (bottom row) on `count` images."""
+def show_predictions(model, dataset, count: int = 4, top: int = 3, title: str = ""):
+    """Ground truth (top row) beside the model's `top` highest-scoring masks and boxes (bottom row),
+    on the first `count` images of `dataset`."""
     import matplotlib.pyplot as plt
     import numpy as np
     module = du.unwrap(model).eval()
@@ -251,7 +252,7 @@ def show_predictions(model, dataset, count: int = 4, score_threshold: float = 0.
     for column in range(count):
         image, target = dataset[column]
         output = module([image.to(device).float() / 255])[0]
-        keep = output["scores"] >= score_threshold
+        keep = output["scores"].argsort(descending=True)[:top]
         for row, (masks, labels, boxes, scores) in enumerate((
                 (target["masks"].bool(), target["labels"], target["boxes"], None),
                 (output["masks"][keep, 0] > 0.5, output["labels"][keep], output["boxes"][keep], output["scores"][keep]))):
@@ -272,7 +273,7 @@ def show_predictions(model, dataset, count: int = 4, score_threshold: float = 0.
         axes[0, column].set_title(f"image {target['image_id']}", fontsize=9)
     axes[0, 0].text(-0.08, 0.5, "ground truth", rotation=90, va="center", ha="right",
                     transform=axes[0, 0].transAxes)
-    axes[1, 0].text(-0.08, 0.5, f"predicted (score >= {score_threshold})", rotation=90, va="center",
+    axes[1, 0].text(-0.08, 0.5, f"top {top} predictions", rotation=90, va="center",
                     ha="right", transform=axes[1, 0].transAxes)
     fig.suptitle(f"{title}\n{hardware_label()}".strip())
     fig.tight_layout()
@@ -308,6 +309,40 @@ def setting_explorer(measure: Callable[..., Any], options: dict[str, Sequence], 
     fig = measure(**initial)
     display(fig)
     plt.close(fig)
+
+
+def run_command(args: Sequence[str], cwd: Path | str | None = None) -> None:
+    """Run a command from a cell (e.g. `torchrun ... train.py`), streaming its output; raise on failure."""
+    import shlex
+    import subprocess
+    print("$ " + shlex.join(str(a) for a in args), flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=env, cwd=cwd) as proc:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+    if proc.returncode:
+        raise RuntimeError(f"{args[0]} failed with exit code {proc.returncode} (its output is above)")
+
+
+def torchrun() -> str:
+    """The `torchrun` next to this Python (the one that has the package installed)."""
+    candidate = Path(sys.executable).with_name("torchrun")
+    return str(candidate) if candidate.exists() else "torchrun"
+
+
+def model_from_run(output_dir: Path | str):
+    """The model a `train.py` run saved: its config.json rebuilt and its last checkpoint loaded."""
+    import dataclasses
+    import json
+    from . import checkpoint
+    from .model import build_model
+    out = Path(output_dir)
+    saved = json.loads((out / "config.json").read_text())
+    cfg = Config(**{f.name: saved[f.name] for f in dataclasses.fields(Config) if f.name in saved})
+    model = build_model(cfg, saved["num_classes"])
+    model.load_state_dict(checkpoint.load(out / "checkpoints" / "last.pt")["model"])
+    return model.eval()
 
 
 # --------------------------------------------------------------------------- chapter 1's experiment

@@ -2,8 +2,10 @@
 
 A checkpoint is written to a temporary file, flushed and fsynced, then renamed over its final name
 (a rename is atomic on POSIX), and the folder is fsynced so the rename itself is durable. A crash
-mid-save therefore leaves the previous checkpoint intact. `last.pt` is a hard link to the newest
-numbered checkpoint. Loading uses `torch.load(weights_only=True)`: a checkpoint cannot run code.
+mid-save therefore leaves the previous checkpoint intact (and a temporary file the next save
+removes). `last.pt` is a hard link to the newest numbered checkpoint. Loading uses
+`torch.load(weights_only=True)`: a checkpoint cannot run code. `newest_loadable` is what
+`--resume auto` uses: the newest numbered checkpoint that loads, skipping broken ones with a warning.
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ log = logging.getLogger(__name__)
 
 #: Settings that change the model's shapes or meaning: a checkpoint must agree on all of them.
 MODEL_KEYS = ("backbone", "norm", "sync_bn", "fpn_channels", "mask_head_layers", "mask_head_channels",
-              "box_head_dim", "num_classes")
+              "box_head_dim", "num_classes", "class_names")
 _NUMBERED = re.compile(r"^step_(\d+)\.pt$")
+_TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)$")
 
 
 class CheckpointError(RuntimeError):
@@ -38,7 +41,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_save(obj, path: Path) -> None:
-    """`torch.save` to a temp file in the same folder, fsync, rename over `path`, fsync the folder."""
+    """`torch.save` to a temp file in the same folder, fsync, rename over `path`, fsync the folder.
+
+    A failed write (disk full, quota) raises `CheckpointError` and leaves `path` as it was.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -48,9 +54,23 @@ def atomic_save(obj, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be written ({err.strerror or err}); "
+                              "the previous checkpoint is untouched") from None
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+
+
+def remove_stale_temporaries(ckpt_dir: Path) -> list[Path]:
+    """Delete temp files that processes killed mid-save left behind (any pid but this one's)."""
+    removed = []
+    for path in Path(ckpt_dir).iterdir() if Path(ckpt_dir).is_dir() else ():
+        match = _TEMPORARY.match(path.name)
+        if match and int(match.group(1)) != os.getpid():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def rng_state() -> dict:
@@ -74,16 +94,18 @@ def set_rng_state(state: dict) -> None:
 def save(ckpt_dir: Path, payload: dict, step: int, keep: int) -> Path:
     """Write `step_<N>.pt`, point `last.pt` at it, and delete numbered ones beyond the newest `keep`."""
     ckpt_dir = Path(ckpt_dir)
+    remove_stale_temporaries(ckpt_dir)
     path = ckpt_dir / f"step_{step:07d}.pt"
     atomic_save(payload, path)
     link = ckpt_dir / f".last.pt.tmp-{os.getpid()}"
     link.unlink(missing_ok=True)
     try:
         os.link(path, link)
+        os.replace(link, ckpt_dir / "last.pt")
+        _fsync_dir(ckpt_dir)
     except OSError:  # filesystems without hard links get a copy
-        atomic_save(payload, link)
-    os.replace(link, ckpt_dir / "last.pt")
-    _fsync_dir(ckpt_dir)
+        link.unlink(missing_ok=True)
+        atomic_save(payload, ckpt_dir / "last.pt")
     for old in numbered(ckpt_dir)[keep:]:
         old.unlink(missing_ok=True)
     return path
@@ -116,7 +138,7 @@ def newest_loadable(ckpt_dir: Path) -> tuple[Path, dict] | None:
         try:
             return path, load(path)
         except CheckpointError as err:
-            log.warning("%s; falling back to the previous checkpoint", err)
+            log.warning("--resume auto: %s; trying the previous checkpoint", err)
     return None
 
 
@@ -125,7 +147,9 @@ def check_compatible(saved_cfg: dict, cfg: dict, path: Path) -> None:
     diffs = [f"{k}: checkpoint {saved_cfg.get(k)!r} vs run {cfg.get(k)!r}"
              for k in MODEL_KEYS if saved_cfg.get(k) != cfg.get(k)]
     if diffs:
-        raise CheckpointError(f"{path}: does not match this run's model ({'; '.join(diffs)})")
+        raise CheckpointError(f"--resume: {path} does not match this run's model ({'; '.join(diffs)}); "
+                              "resume with the settings and data it was trained with, or start fresh "
+                              "in another --output-dir")
 
 
 def set_aside_old_run(ckpt_dir: Path) -> Path | None:

@@ -46,6 +46,7 @@ class Config:
     mask_head_layers: int = 2
     mask_head_channels: int = 128
     box_head_dim: int = 256
+    anchor_sizes: str = "16,32,64,128,256"
     rpn_pre_nms_top_n: int = 200
     rpn_post_nms_top_n: int = 100
     rpn_batch_size_per_image: int = 64
@@ -110,6 +111,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu-tiny": dict(
         backbone="resnet18", norm="bn", min_size=128, max_size=192,
         fpn_channels=128, mask_head_layers=2, mask_head_channels=128, box_head_dim=256,
+        anchor_sizes="16,32,64,128,256",
         rpn_pre_nms_top_n=200, rpn_post_nms_top_n=100,
         rpn_batch_size_per_image=64, box_batch_size_per_image=64,
         batch_size=4, max_steps=450, optimizer="adamw", lr=2e-3, weight_decay=1e-4,
@@ -119,6 +121,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpu-r50": dict(
         backbone="resnet50", norm="bn", min_size=800, max_size=1333,
         fpn_channels=256, mask_head_layers=4, mask_head_channels=256, box_head_dim=1024,
+        anchor_sizes="32,64,128,256,512",
         rpn_pre_nms_top_n=2000, rpn_post_nms_top_n=2000,
         rpn_batch_size_per_image=256, box_batch_size_per_image=512,
         batch_size=2, max_steps=None, epochs=26, optimizer="sgd", lr=0.08, weight_decay=1e-4,
@@ -261,6 +264,7 @@ HELP = {
     "mask_head_layers": "3x3 convs in the mask head (torchvision: 4)",
     "mask_head_channels": "width of the mask head convs (torchvision: 256)",
     "box_head_dim": "width of the box head's two FC layers (torchvision: 1024)",
+    "anchor_sizes": "anchor size (pixels) per FPN level, comma-separated (torchvision: 32,64,128,256,512)",
     "rpn_pre_nms_top_n": "RPN proposals kept before NMS per image (training)",
     "rpn_post_nms_top_n": "RPN proposals kept after NMS per image (training)",
     "rpn_batch_size_per_image": "anchors sampled per image for the RPN loss",

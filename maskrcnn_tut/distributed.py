@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import random
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -88,6 +90,19 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
                                 rank=rank, world_size=world_size, timeout=timeout)
     _INFO = DistInfo(rank, world_size, local_rank, local_world, backend if world_size > 1 else None, device)
     return _INFO
+
+
+#: How gloo reports a rank that died or stopped answering mid-collective (plain RuntimeErrors).
+_PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting")
+
+
+def peer_failure(err: BaseException) -> str | None:
+    """One line saying another rank died or hung, when that is what `err` means; else None."""
+    text = str(err)
+    if not isinstance(err, dist.DistError) and not any(sign in text for sign in _PEER_FAILURE_SIGNS):
+        return None
+    return ("another rank died or stopped answering within --dist-timeout, so this one stops too ("
+            + text.strip().splitlines()[0][:300] + ")")
 
 
 def shutdown() -> None:
@@ -197,7 +212,12 @@ def _worker(rank: int, nprocs: int, port: int, backend, timeout_s, fn, args, mes
     try:
         init_distributed(backend, timeout_s)
         result = fn(*args)
-        messages.put(("result", rank, result if rank == 0 else None))
+        try:  # pickled here: the queue pickles in a background thread, where a failure would be lost
+            payload = pickle.dumps(result if rank == 0 else None)
+        except Exception as err:
+            raise TypeError(f"{getattr(fn, '__name__', fn)} returned a {type(result).__name__}, which cannot be sent back "
+                            f"to the launching process ({err}); return plain data") from err
+        messages.put(("result", rank, payload))
     except BaseException:  # report everything, SystemExit included, to the parent
         messages.put(("error", rank, traceback.format_exc()))
     finally:
@@ -212,50 +232,61 @@ def launch(fn, nprocs: int, *args, backend: str | None = None, timeout_s: float 
     Works from a Jupyter cell: workers are spawned (not forked), their prints appear in the cell
     as `[rank r] ...`, and a worker's exception is raised here as `WorkerError` with its
     traceback after every worker has been stopped. `fn` must be importable (defined in a module).
+    Workers are not daemons, so they may start DataLoader worker processes of their own.
     """
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, backend, timeout_s, fn, args, messages),
-                         daemon=True) for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    result, finished, error = None, set(), None
+    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, backend, timeout_s, fn, args, messages))
+             for r in range(nprocs)]
+
+    def show(kind: str, rank: int, payload) -> None:
+        if kind == "line":
+            print(f"[rank {rank}] {payload}" if prefix_output else payload, flush=True)
+
+    result, finished, error, started = None, set(), None, []
     try:
+        for p in procs:
+            p.start()
+            started.append(p)
         while len(finished) < nprocs and error is None:
             try:
                 kind, rank, payload = messages.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in finished]
+            except queue.Empty:  # nothing pending: a worker that has exited without reporting is dead
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in finished]
                 if dead:
-                    error = f"worker {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                    error = (f"worker {dead[0]} died with exit code {procs[dead[0]].exitcode} without reporting "
+                             "(a script that calls launch needs `if __name__ == '__main__':`; see its output above)")
                 continue
-            if kind == "line":
-                print(f"[rank {rank}] {payload}" if prefix_output else payload, flush=True)
-            elif kind == "error":
+            show(kind, rank, payload)
+            if kind == "error":
                 error = f"worker {rank} failed:\n{payload}"
-            else:
+            elif kind == "result":
                 finished.add(rank)
                 if rank == 0:
-                    result = payload
+                    result = pickle.loads(payload)
     finally:
-        for p in procs:
-            p.join(timeout=5 if error is None else 0.5)
+        # let finished workers exit (reading their last lines meanwhile); stop the others now
+        grace = time.monotonic() + (5.0 if len(finished) == nprocs else 0.5)
+        while time.monotonic() < grace and any(p.is_alive() for p in started):
+            try:
+                show(*messages.get(timeout=0.05))
+            except queue.Empty:
+                pass
+        for p in started:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-                p.join()
+            p.join()
         while True:  # drain, so the queue's feeder thread can exit
             try:
-                kind, rank, payload = messages.get_nowait()
+                show(*messages.get_nowait())
             except (queue.Empty, EOFError, OSError):
                 break
-            if kind == "line":
-                print(f"[rank {rank}] {payload}" if prefix_output else payload, flush=True)
         messages.close()
     if error is not None:
         raise WorkerError(error)

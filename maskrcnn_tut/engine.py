@@ -9,6 +9,7 @@ left waiting in a collective.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -21,6 +22,7 @@ from torch import nn
 from . import distributed as du
 from .data.loader import to_device
 
+log = logging.getLogger(__name__)
 
 #: Fault injection for the tests only: "STEP:RANK[,STEP:RANK...]" makes that rank's loss NaN at
 #: that optimizer step (before backward, like a real overflow), to prove the guard stops every rank.
@@ -191,6 +193,9 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg, device, state: 
                 f"--clip-grad-norm, check the data, or allow skips with --skip-nonfinite N")
         state.nonfinite_skipped += 1
         optimizer.zero_grad(set_to_none=True)
+        if info.is_main:
+            log.warning("non-finite loss at step %d on rank(s) %s: step skipped (%d of --skip-nonfinite %d)",
+                        state.step + 1, bad_ranks, state.nonfinite_skipped, cfg.skip_nonfinite)
     else:
         if cfg.clip_grad_norm is not None:
             scaler.unscale_(optimizer)

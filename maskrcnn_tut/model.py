@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torchvision.models import resnet
 from torchvision.models.detection import MaskRCNN
+from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
@@ -33,23 +34,29 @@ def build_model(cfg, num_classes: int) -> MaskRCNN:
 
     The head widths are knobs: `gpu-r50` keeps torchvision's (FPN 256, four 256-wide mask
     convs, 1024-d box head); `cpu-tiny` halves the FPN and thins the heads, which makes a step
-    about 2.5x faster on a CPU while still learning the shapes dataset.
+    about 2.5x faster on a CPU while still learning the shapes dataset. Trained from scratch, the
+    FPN and mask head get the same normalization as the backbone (as torchvision's v2 recipe
+    does), and anchor sizes follow the object sizes (`--anchor-sizes`).
     """
     norm = NORM_LAYERS[cfg.norm]
     body = getattr(resnet, cfg.backbone)(weights=None, norm_layer=norm)
     widths = [body.layer1[-1].conv1.in_channels * (2 ** i) for i in range(4)]  # C2..C5 channels
-    backbone = BackboneWithFPN(body, {f"layer{i + 1}": str(i) for i in range(4)}, widths, cfg.fpn_channels)
+    head_norm = None if cfg.norm == "frozen" else norm  # torchvision's v1 heads (pretrained) have none
+    backbone = BackboneWithFPN(body, {f"layer{i + 1}": str(i) for i in range(4)}, widths, cfg.fpn_channels,
+                               norm_layer=head_norm)
+    sizes = tuple((int(s),) for s in cfg.anchor_sizes.split(","))
+    anchors = AnchorGenerator(sizes, ((0.5, 1.0, 2.0),) * len(sizes))
     mask_layers = [cfg.mask_head_channels] * cfg.mask_head_layers
     model = MaskRCNN(
         backbone, num_classes=None, min_size=cfg.min_size, max_size=cfg.max_size,
+        rpn_anchor_generator=anchors,
         rpn_pre_nms_top_n_train=cfg.rpn_pre_nms_top_n, rpn_post_nms_top_n_train=cfg.rpn_post_nms_top_n,
         rpn_pre_nms_top_n_test=cfg.rpn_pre_nms_top_n, rpn_post_nms_top_n_test=cfg.rpn_post_nms_top_n,
         rpn_batch_size_per_image=cfg.rpn_batch_size_per_image,
         box_batch_size_per_image=cfg.box_batch_size_per_image,
         box_head=TwoMLPHead(cfg.fpn_channels * 7 * 7, cfg.box_head_dim),
         box_predictor=FastRCNNPredictor(cfg.box_head_dim, num_classes),
-        mask_head=MaskRCNNHeads(cfg.fpn_channels, mask_layers, 1,
-                                norm_layer=None if cfg.norm == "frozen" else norm),
+        mask_head=MaskRCNNHeads(cfg.fpn_channels, mask_layers, 1, norm_layer=head_norm),
         mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], num_classes),
     )
     if cfg.weights:

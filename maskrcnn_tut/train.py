@@ -71,7 +71,7 @@ def run(cfg: Config) -> dict:
 
     # data: every rank cleans the same json the same way; rank 0 reports what it found
     train_set, val_set = build_datasets(cfg)
-    cfg_dict = cfg.to_dict() | {"num_classes": train_set.num_classes}
+    cfg_dict = cfg.to_dict() | {"num_classes": train_set.num_classes, "class_names": train_set.class_names}
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         for name, ds in (("train", train_set), ("val", val_set)):
@@ -170,7 +170,9 @@ def run(cfg: Config) -> dict:
         logger.log_eval(state.step, metrics)
         images = (state.step - start_step) * cfg.global_batch_size
         summary = {"steps": state.step, "wall_s": round(time.perf_counter() - started, 1),
-                   "train_img_per_s": round(images / max(train_time, 1e-9), 2), **metrics}
+                   "train_img_per_s": round(images / max(train_time, 1e-9), 2),
+                   "nonfinite_skipped": state.nonfinite_skipped, "scaler_skipped": state.scaler_skipped,
+                   **metrics}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"done: {state.step} steps in {summary['wall_s']} s, {summary['train_img_per_s']} img/s; "
               + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()) + f"; outputs in {out}")
@@ -178,6 +180,7 @@ def run(cfg: Config) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done; 2 bad settings, data or checkpoint; 3 non-finite loss; 4 another rank failed."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     rank = du.env_world()[0]
     if rank != 0:
@@ -195,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
+    except RuntimeError as err:
+        reason = du.peer_failure(err)
+        if reason is None:
+            raise
+        print(f"error: rank {rank}: {reason}", file=sys.stderr)
+        return 4
     finally:
         du.shutdown()
     return 0

@@ -68,7 +68,7 @@ class DataReport:
     def add(self, kind: str, example) -> None:
         assert kind in PROBLEMS, kind
         self.counts[kind] += 1
-        if len(self.examples[kind]) < 5:
+        if len(self.examples[kind]) < 5 and example not in self.examples[kind]:
             self.examples[kind].append(example)
 
     def rows(self) -> list[tuple[str, int, str, str]]:

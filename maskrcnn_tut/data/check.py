@@ -1,0 +1,75 @@
+"""Validate a COCO dataset before training: `python -m maskrcnn_tut.data.check --data-path ROOT`.
+
+Runs the checks training runs at start-up (`CocoDetection`'s cleaning) on each split and prints a
+table per split: how many of each problem kind, example ids, and what training will do about
+them. Exit code 0 when training can use the data (after the repairs listed), 2 when a split
+leaves nothing to train on or evaluate, with one line saying why.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..config import ConfigError, make_config, validate
+from .coco import CocoDetection, DataError
+from .loader import dataset_paths
+
+SPLITS = ("train", "val")
+
+
+def check_split(cfg, split: str, verify_pixels: bool = False) -> CocoDetection:
+    """Clean `split` as training does (train drops images without annotations, val keeps them)."""
+    image_dir, ann_file = dataset_paths(cfg, split)
+    return CocoDetection(image_dir, ann_file, train=split == "train", verify_pixels=verify_pixels)
+
+
+def format_report(split: str, dataset: CocoDetection, example_width: int = 28) -> str:
+    """A fixed-width table of `dataset.report` under a line naming the split and what is usable."""
+    instances = sum(len(t) for t in dataset.targets)
+    lines = [f"{split}: {dataset.ann_file}: {len(dataset)} usable images, {instances} instances, "
+             f"{len(dataset.categories)} categories"]
+    rows = dataset.report.rows()
+    if not rows:
+        return "\n".join(lines + ["  no problems found"])
+    kind_width = max(len("problem"), *(len(kind) for kind, *_ in rows))
+    lines.append(f"  {'problem':<{kind_width}}  {'count':>6}  {'example ids':<{example_width}}  training will")
+    for kind, count, examples, action in rows:
+        if len(examples) > example_width:
+            examples = examples[: example_width - 3] + "..."
+        lines.append(f"  {kind:<{kind_width}}  {count:>6}  {examples:<{example_width}}  {action}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m maskrcnn_tut.data.check",
+        description="Report every problem training would repair or drop in a COCO dataset, per split.")
+    parser.add_argument("--data-path", help="COCO root with annotations/instances_{train,val}2017.json "
+                                            "and {train,val}2017/ (as for train.py)")
+    for split in SPLITS:
+        parser.add_argument(f"--{split}-json", help=f"{split} annotation json (overrides the --data-path layout)")
+        parser.add_argument(f"--{split}-images", help=f"{split} image folder (with --{split}-json)")
+    parser.add_argument("--verify-pixels", action="store_true",
+                        help="decode every image fully (slower; finds corrupt data inside files of any format)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if k != "verify_pixels" and v is not None}
+    if not given.get("data_path") and not given.get("train_json"):
+        print("error: give --data-path ROOT (or --train-json and --val-json)", file=sys.stderr)
+        return 2
+    try:
+        cfg = make_config("cpu-tiny", **given)
+        validate(cfg, cuda_available=False)
+        for split in SPLITS:
+            print(format_report(split, check_split(cfg, split, args.verify_pixels)), end="\n\n")
+    except (ConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Faults a real multi-process run meets, proven on CPU with gloo: a worker killed under torchrun
+restarts and resumes to the same weights, a non-finite loss on one rank stops every rank without
+touching the last good checkpoint, and a dead or hung peer never leaves a rank waiting forever."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+from maskrcnn_tut import checkpoint as ckpt
+from maskrcnn_tut.distributed import free_port
+from maskrcnn_tut.engine import INJECT_NAN_ENV
+from maskrcnn_tut.monitor import read_jsonl
+
+
+@pytest.fixture(scope="module")
+def small_root(tmp_path_factory) -> Path:
+    """16 train images (4 steps an epoch for 2 processes x 2 images) and 2 to evaluate: cheap runs."""
+    from maskrcnn_tut.data.shapes import ensure_shapes_dataset
+
+    return ensure_shapes_dataset(16, 2, seed=0, root=tmp_path_factory.mktemp("data") / "small", progress=False)
+
+
+def _flags(root: Path, out: Path, *extra: str) -> list[str]:
+    return ["--data-path", str(root), "--output-dir", str(out), "--batch-size", "2", "--min-size", "96",
+            "--max-size", "128", "--workers", "0", "--no-progress", "--print-freq", "1", *extra]
+
+
+def _torchrun(flags: list[str], max_restarts: int = 0) -> list[str]:
+    return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.5", f"--master-port={free_port()}", str(TRAIN_SCRIPT), *flags]
+
+
+def _start(cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=subprocess_env() | env,
+                                start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> None:
+    """Wait for `proc`; on timeout kill its whole session (torchrun and its workers) and fail."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"still running after {timeout} s")
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"exited with {proc.returncode} before {path.name} appeared:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            _finish(proc, 0)
+        time.sleep(0.1)
+
+
+def _worker_pid(parent: int, rank: int) -> int:
+    """The pid of torchrun's worker process with this RANK (its direct children carry the env)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in env:
+            return int(entry.name)
+    raise AssertionError(f"no worker with RANK={rank} under pid {parent}")
+
+
+def _max_abs_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)
+
+
+def _weights(out: Path) -> dict:
+    return ckpt.load(out / "checkpoints" / "last.pt")["model"]
+
+
+def test_killed_worker_restarts_and_resumes_to_the_same_weights(small_root, tmp_path):
+    # 6 steps cross an epoch boundary (4 steps an epoch); checkpoints at 2, 4, 6
+    common = ("--max-steps", "6", "--checkpoint-every", "2", "--deterministic", "--resume", "auto")
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    proc = _start(_torchrun(_flags(small_root, reference, *common)), tmp_path / "reference.log")
+    _finish(proc, 240)
+    assert proc.returncode == 0, (tmp_path / "reference.log").read_text()[-3000:]
+
+    log = tmp_path / "interrupted.log"
+    proc = _start(_torchrun(_flags(small_root, interrupted, *common), max_restarts=2), log)
+    _wait_for(interrupted / "checkpoints" / "step_0000002.pt", proc, log)
+    os.kill(_worker_pid(proc.pid, rank=1), signal.SIGKILL)
+    _finish(proc, 240)
+    output = log.read_text()
+    assert proc.returncode == 0, output[-3000:]
+    assert "resumed from" in output and "step_0000002.pt" in output, output[-3000:]
+    assert ckpt.load(interrupted / "checkpoints" / "last.pt")["state"]["step"] == 6
+    assert _max_abs_difference(_weights(reference), _weights(interrupted)) <= 1e-6
+
+
+def test_nonfinite_loss_on_one_rank_stops_both_and_keeps_the_last_good_checkpoint(small_root, tmp_path):
+    """Rank 1's loss is NaN at steps 3 and 4: --skip-nonfinite 1 skips step 3, step 4 stops the run."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    flags = _flags(small_root, out, "--max-steps", "8", "--checkpoint-every", "2", "--skip-nonfinite", "1")
+    proc = _start(_torchrun(flags), log, **{INJECT_NAN_ENV: "3:1,4:1"})
+    _wait_for(out / "checkpoints" / "step_0000002.pt", proc, log)
+    _finish(proc, 60)  # no rank may be left waiting in a collective
+    output = log.read_text()
+    assert proc.returncode != 0
+    assert "non-finite loss at step 3 on rank(s) [1]: step skipped (1 of --skip-nonfinite 1)" in output
+    stops = [line for line in output.splitlines() if "error: non-finite loss at step 4 on rank(s) [1]" in line]
+    assert len(stops) == 2, output[-3000:]  # both ranks say so
+    assert any("loss_classifier=nan" in line for line in stops)  # the rank with the NaN names its terms
+    assert [p.name for p in ckpt.numbered(out / "checkpoints")] == ["step_0000002.pt"]
+    assert ckpt.load(out / "checkpoints" / "last.pt")["state"]["step"] == 2
+    assert [m["skipped_steps"] for m in read_jsonl(out / "metrics.jsonl")] == [0, 0, 1]
+
+
+PEER_SCRIPT = """
+import sys, time, torch
+from maskrcnn_tut import distributed as du
+du.init_distributed("gloo", timeout_s=float(sys.argv[1]))
+du.all_reduce_sum(torch.ones(1))
+print("joined", flush=True)
+try:
+    while True:
+        du.all_reduce_sum(torch.ones(1))
+        time.sleep(0.05)
+except RuntimeError as err:
+    print(du.peer_failure(err), flush=True)
+    sys.exit(4)
+"""
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dead", "hung"])
+def test_a_dead_or_hung_peer_makes_the_other_rank_exit_with_a_message(fault, tmp_path):
+    timeout_s = 5
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = subprocess_env() | dict(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([PYTHON, "-c", PEER_SCRIPT, str(timeout_s)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        assert procs[0].stdout.readline().strip() == "joined"
+        os.kill(procs[1].pid, fault)
+        started = time.monotonic()
+        output, _ = procs[0].communicate(timeout=60)
+        assert procs[0].returncode == 4, output
+        assert "another rank died or stopped answering within --dist-timeout" in output
+        if fault == signal.SIGSTOP:
+            assert time.monotonic() - started >= timeout_s - 1  # it waited for the timeout, then gave up
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+        procs[0].kill()
