@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import distributed as du
-from .config import Config, make_config
+from .config import Config, ConfigError, make_config, validate
 from .data.shapes import ensure_shapes_dataset
 
 #: The benchmark's dataset: small so an epoch is a few steps (the loader sweep crosses epochs).
@@ -185,7 +185,7 @@ def provenance(command: str) -> dict[str, Any]:
 def _call(name: str, **kwargs) -> str:
     """The Python call that produced a result, for its provenance."""
     shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if v is not None)
-    return f"maskrcnn_tut.bench.{name}({shown})"
+    return f"maskrcnn_tut.{name}({shown})"
 
 
 def cpu_has_bf16() -> bool | None:
@@ -239,7 +239,9 @@ def bench_config(preset: str | None = None, data_path: str | None = None, **over
     if data_path is None:
         data_path = str(ensure_shapes_dataset(**BENCH_SHAPES, progress=False))
     settings = {"workers": 0, "progress": False, **{k: v for k, v in overrides.items() if v is not None}}
-    return make_config(preset, data_path=str(data_path), **settings)
+    cfg = make_config(preset, data_path=str(data_path), **settings)
+    validate(cfg)
+    return cfg
 
 
 def multiscale_sizes(size: int) -> tuple[int, ...]:
@@ -374,11 +376,10 @@ TABLE_COLUMNS = ["setup", "processes", "threads/process", "GPUs", "img/s", "peak
 
 
 def table(preset: str | None = None, nprocs: int | None = None, steps: int = 25, warmup: int = 5,
-          batch_size: int | None = None, image_size: int | None = None, data_path: str | None = None,
-          max_seconds: float | None = None) -> BenchResult:
-    """The article's speed table for this machine (see the module docstring for the rows)."""
-    cfg = bench_config(preset, data_path, batch_size=batch_size, min_size=image_size,
-                       max_size=None if image_size is None else round(image_size * 1.5))
+          data_path: str | None = None, max_seconds: float | None = None, **overrides) -> BenchResult:
+    """The article's speed table for this machine (rows: module docstring); `overrides` are Config
+    fields (e.g. batch_size=2, min_size=96)."""
+    cfg = bench_config(preset, data_path, **overrides)
     run = {"steps": steps, "warmup": warmup, "max_seconds": max_seconds}
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rows: list[dict] = []
@@ -427,8 +428,8 @@ def table(preset: str | None = None, nprocs: int | None = None, steps: int = 25,
             row["speedup"] = row["img/s"] / baseline
             row["scaling efficiency"] = row["speedup"] / row.pop("units")
     notes.append("speedup: img/s over the first row's; scaling efficiency: speedup / devices (cores or GPUs) used.")
-    command = _call("table", preset=preset, nprocs=nprocs, steps=steps, warmup=warmup, batch_size=batch_size,
-                    image_size=image_size, data_path=data_path, max_seconds=max_seconds)
+    command = _call("bench.table", preset=preset, nprocs=nprocs, steps=steps, warmup=warmup, data_path=data_path,
+                    max_seconds=max_seconds, **overrides)
     return BenchResult("table", "Speed table (the article's 構成方式 / img/s / VRAM / Speedup)", rows,
                        [c for c in TABLE_COLUMNS if any(r.get(c) is not None for r in rows)], notes,
                        provenance(command))
@@ -474,9 +475,9 @@ def _knob_note(rows: list[dict], knob: str, why_flat: str, key: str = "img/s") -
 
 
 def sweep_loader(preset: str | None = None, workers: tuple[int, ...] = (0, 1, 2), steps: int = 16,
-                 warmup: int = 2, data_path: str | None = None, max_seconds: float | None = None) -> BenchResult:
+                 warmup: int = 2, data_path: str | None = None, max_seconds: float | None = None, **overrides) -> BenchResult:
     """num_workers x pin_memory x persistent_workers (epochs of a few steps, so restarts show)."""
-    cfg = bench_config(preset, data_path)
+    cfg = bench_config(preset, data_path, **overrides)
     cuda = torch.cuda.is_available()
     settings = []
     for n in workers:
@@ -485,8 +486,8 @@ def sweep_loader(preset: str | None = None, workers: tuple[int, ...] = (0, 1, 2)
                 label = f"workers={n}, pin_memory={pin}" + (f", persistent={persistent}" if n > 0 else "")
                 settings.append((label, {"workers": n, "pin_memory": pin, "persistent_workers": persistent}))
     result = _sweep("loader", "DataLoader: num_workers x pin_memory x persistent_workers", cfg, settings,
-                    _call("sweep_loader", preset=preset, workers=workers, steps=steps, warmup=warmup,
-                          data_path=data_path, max_seconds=max_seconds), steps, warmup, max_seconds)
+                    _call("bench.sweep_loader", preset=preset, workers=workers, steps=steps, warmup=warmup,
+                          data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
     rows = result.rows
     data_share = max(r["data ms"] / (r["data ms"] + r["compute ms"]) for r in rows)
     result.notes = [
@@ -511,9 +512,9 @@ def sweep_loader(preset: str | None = None, workers: tuple[int, ...] = (0, 1, 2)
 
 
 def sweep_amp(preset: str | None = None, steps: int = 16, warmup: int = 3, data_path: str | None = None,
-              max_seconds: float | None = None, force_bf16: bool = False) -> BenchResult:
+              max_seconds: float | None = None, force_bf16: bool = False, **overrides) -> BenchResult:
     """Autocast off / float16 / bfloat16: img/s and peak memory (float16 needs CUDA)."""
-    cfg = bench_config(preset, data_path)
+    cfg = bench_config(preset, data_path, **overrides)
     cuda = torch.cuda.is_available()
     settings = [("fp32 (no autocast)", {"amp": False, "amp_dtype": None})]
     skipped = []
@@ -528,8 +529,8 @@ def sweep_amp(preset: str | None = None, steps: int = 16, warmup: int = 3, data_
         skipped.append(("bf16 autocast", "not measured: this CPU has no bfloat16 instructions (avx512_bf16 or "
                         "AMX), so bf16 is emulated and many times slower than fp32 (force_bf16=True measures it)"))
     result = _sweep("amp", "Mixed precision: fp32 / fp16 / bf16", cfg, settings,
-                    _call("sweep_amp", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
-                          max_seconds=max_seconds, force_bf16=force_bf16 or None), steps, warmup, max_seconds, skipped)
+                    _call("bench.sweep_amp", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
+                          max_seconds=max_seconds, force_bf16=force_bf16 or None, **overrides), steps, warmup, max_seconds, skipped)
     result.notes.append(_knob_note(result.rows, "amp_dtype", "this model's step is not limited by the "
                                    "precision of its math on this hardware."))
     if not cuda:
@@ -539,16 +540,16 @@ def sweep_amp(preset: str | None = None, steps: int = 16, warmup: int = 3, data_
 
 
 def sweep_cudnn(preset: str | None = None, steps: int = 16, warmup: int = 3, data_path: str | None = None,
-                max_seconds: float | None = None) -> BenchResult:
+                max_seconds: float | None = None, **overrides) -> BenchResult:
     """cudnn.benchmark off/on with fixed (square) vs varying (multi-scale) image sizes."""
-    cfg = bench_config(preset, data_path)
+    cfg = bench_config(preset, data_path, **overrides)
     cuda = torch.cuda.is_available()
     settings = [(f"{shape} sizes" + (f", cudnn.benchmark={flag}" if cuda else ""),
                  {"shape": shape, "cudnn_benchmark": flag})
                 for shape in ("fixed", "varying") for flag in ((False, True) if cuda else (False,))]
     result = _sweep("cudnn", "cudnn.benchmark with fixed and varying image sizes", cfg, settings,
-                    _call("sweep_cudnn", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
-                          max_seconds=max_seconds), steps, warmup, max_seconds)
+                    _call("bench.sweep_cudnn", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
+                          max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
     sizes = ", ".join(map(str, multiscale_sizes(cfg.min_size)))
     result.notes = [f"fixed: every image resized to {cfg.min_size}x{cfg.min_size} (one input shape); varying: "
                     f"multi-scale training, the shorter side drawn from {sizes} px per image with natural "
@@ -569,9 +570,9 @@ def sweep_cudnn(preset: str | None = None, steps: int = 16, warmup: int = 3, dat
 
 
 def sweep_accum(preset: str | None = None, accum_steps: tuple[int, ...] = (1, 2, 4), steps: int = 12,
-                warmup: int = 2, data_path: str | None = None, max_seconds: float | None = None) -> BenchResult:
+                warmup: int = 2, data_path: str | None = None, max_seconds: float | None = None, **overrides) -> BenchResult:
     """K micro-batches per optimizer step against one batch of the same K x B images."""
-    cfg = bench_config(preset, data_path)
+    cfg = bench_config(preset, data_path, **overrides)
     b = cfg.batch_size
     settings = []
     for k in accum_steps:
@@ -581,8 +582,8 @@ def sweep_accum(preset: str | None = None, accum_steps: tuple[int, ...] = (1, 2,
             settings.append((f"batch {b * k} x accum 1 ({b * k} images/step)",
                              {"accum_steps": 1, "batch_size": b * k, "steps": max(4, steps // k)}))
     result = _sweep("accum", "Gradient accumulation: throughput and memory", cfg, settings,
-                    _call("sweep_accum", preset=preset, accum_steps=accum_steps, steps=steps, warmup=warmup,
-                          data_path=data_path, max_seconds=max_seconds), steps, warmup, max_seconds)
+                    _call("bench.sweep_accum", preset=preset, accum_steps=accum_steps, steps=steps, warmup=warmup,
+                          data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
     accumulated = [r for r in result.rows if r["knobs"]["batch_size"] == b]
     single = [r for r in result.rows if r["knobs"]["accum_steps"] == 1]
     result.notes = [
@@ -597,14 +598,14 @@ def sweep_accum(preset: str | None = None, accum_steps: tuple[int, ...] = (1, 2,
 
 
 def sweep_size(preset: str | None = None, sizes: tuple[int, ...] | None = None, steps: int = 10, warmup: int = 2,
-               data_path: str | None = None, max_seconds: float | None = None) -> BenchResult:
+               data_path: str | None = None, max_seconds: float | None = None, **overrides) -> BenchResult:
     """Image size (square inputs) against img/s and peak memory."""
-    cfg = bench_config(preset, data_path)
+    cfg = bench_config(preset, data_path, **overrides)
     sizes = sizes or ((512, 640, 800, 1024) if torch.cuda.is_available() else (96, 128, 192, 256))
     settings = [(f"{s} px", {"min_size": s, "max_size": s, "shape": "fixed"}) for s in sizes]
     result = _sweep("size", "Image size against memory and throughput", cfg, settings,
-                    _call("sweep_size", preset=preset, sizes=sizes, steps=steps, warmup=warmup,
-                          data_path=data_path, max_seconds=max_seconds), steps, warmup, max_seconds)
+                    _call("bench.sweep_size", preset=preset, sizes=sizes, steps=steps, warmup=warmup,
+                          data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
     result.notes = ["Every image resized to size x size: pixels, compute and activation memory grow with the "
                     "square of the size (memory.memory_table breaks the memory down).",
                     _knob_note(result.rows, "min_size", "", key="peak MiB/device")]
@@ -612,13 +613,13 @@ def sweep_size(preset: str | None = None, sizes: tuple[int, ...] | None = None, 
 
 
 def sweep_channels_last(preset: str | None = None, steps: int = 16, warmup: int = 3,
-                        data_path: str | None = None, max_seconds: float | None = None) -> BenchResult:
+                        data_path: str | None = None, max_seconds: float | None = None, **overrides) -> BenchResult:
     """The backbone in NCHW (default) against NHWC (channels_last)."""
-    cfg = bench_config(preset, data_path)
+    cfg = bench_config(preset, data_path, **overrides)
     settings = [(f"channels_last={flag}", {"channels_last": flag}) for flag in (False, True)]
     result = _sweep("channels_last", "Memory format: NCHW vs channels_last", cfg, settings,
-                    _call("sweep_channels_last", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
-                          max_seconds=max_seconds), steps, warmup, max_seconds)
+                    _call("bench.sweep_channels_last", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
+                          max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
     why = ("the convolutions are not what limits this step." if torch.cuda.is_available() else
            "on a CPU oneDNN reorders tensors into its own blocked layout either way.")
     result.notes.append(_knob_note(result.rows, "channels_last", why))
@@ -697,12 +698,13 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--data-path", help="COCO root (default: the benchmark's shapes data)")
     common.add_argument("--steps", type=int, help="measured steps (after warm-up)")
     common.add_argument("--warmup", type=int, help="warm-up steps, not measured")
+    common.add_argument("--batch-size", type=int, help="images per process (per GPU) and step")
+    common.add_argument("--min-size", type=int, help="shorter image side in pixels")
+    common.add_argument("--max-size", type=int, help="longer image side cap in pixels")
     common.add_argument("--out", help="write the result as JSON to this file")
     common.add_argument("--plot", help="save the result's plot to this image file")
     table_cmd = commands.add_parser("table", parents=[common], help="Single / DP(N) / DDP(N) speed table")
     table_cmd.add_argument("--nprocs", type=int, help="N (default: GPUs present, else CPU cores)")
-    table_cmd.add_argument("--batch-size", type=int, help="images per process (per GPU)")
-    table_cmd.add_argument("--image-size", type=int, help="shorter image side in pixels")
     for name, sweep in SWEEPS.items():
         commands.add_parser(name, parents=[common], help=sweep.__doc__.splitlines()[0])
     return parser
@@ -720,14 +722,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             build_parser().print_help()
             return 2
-        options = {k: getattr(args, k) for k in ("preset", "data_path", "steps", "warmup") if getattr(args, k) is not None}
-        if args.command == "table":
-            options.update({k: getattr(args, k) for k in ("nprocs", "batch_size", "image_size")
-                            if getattr(args, k) is not None})
-            result = table(**options)
-        else:
-            result = SWEEPS[args.command](**options)
-    except BenchError as err:
+        names = ("preset", "data_path", "steps", "warmup", "batch_size", "min_size", "max_size", "nprocs")
+        options = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+        result = (table if args.command == "table" else SWEEPS[args.command])(**options)
+    except (BenchError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result.provenance["command"] = command

@@ -3,13 +3,21 @@ figures, package source listings and prediction pictures.
 
 The measurements themselves belong to the module each chapter names (`bench`, `memory`, `engine`,
 `checks`, `monitor`, ...); this module only shows them, so a chapter's cells stay a few lines of
-reader-facing calls. The one experiment no other module owns, chapter 1's gradient noise versus
-batch size, is here because it exists only to be plotted in the book.
+reader-facing calls. The few experiments no other module owns (chapter 1's gradient noise versus
+batch size, chapter 9's straggler and all-reduce timings) are here because they exist only to be
+shown in the book.
 
 - `hardware()` / `hardware_summary()`: the "your hardware" cell every chapter opens with.
 - `environment_report()`: chapter 2's full report (versions, memory, P2P and NVLink between GPUs).
 - `book_config(**overrides)`: this hardware's preset on the book's small shapes dataset.
-- `show_table`, `glue`, `show_source`, `show_predictions`, `line_plot`: display.
+- `show_table`, `glue`, `show_source`, `show_predictions`, `line_plot`, `plot_data_vs_compute`:
+  display.
+- `run_command`, `torchrun`, `model_from_run`: run `train.py` from a cell and look at what it saved.
+- `process_report`, `demo_processes`: what each process started by `distributed.launch` sees (chapter 4).
+- `imbalance_run`, `allreduce_timing`: chapter 9's straggler and communication experiments (run in
+  processes started by `distributed.launch`, so they live here, importable).
+- `beside_article`, `plot_beside_article`: the article's speed table (quoted) beside this machine's.
+- `fits_table`: which batch fits on an 11, 24 or 80 GB card, from `memory.memory_table` (chapter 1).
 - `setting_explorer`: an ipywidgets control that reruns one measurement, with a static picture.
 - `python -m maskrcnn_tut.book book/*.ipynb`: strip outputs before committing, keeping the
   reference outputs of `# NBVAL_CHECK_OUTPUT` cells that nbval compares against.
@@ -32,6 +40,14 @@ from .data.shapes import ensure_shapes_dataset
 #: The book's dataset: big enough for a few epochs of short runs, small enough to write in seconds.
 BOOK_SHAPES = {"n_train": 128, "n_val": 32, "seed": 0}
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
+#: Images in COCO train2017, the dataset behind the usual Mask R-CNN schedules.
+COCO_TRAIN_IMAGES = 118_287
+#: The article's speed table (「モニタリングとベンチマーク分析」), quoted as published: its GPUs, its figures.
+ARTICLE_SPEED_TABLE = [
+    {"setup": "Single GPU", "devices": 1, "img/s": 5.2, "memory GB": 10.8, "speedup": 1.0},
+    {"setup": "2 GPU (DP)", "devices": 2, "img/s": 9.8, "memory GB": 20.5, "speedup": 1.88},
+    {"setup": "4 GPU (DDP)", "devices": 4, "img/s": 19.5, "memory GB": 40.2, "speedup": 3.75},
+]
 
 
 # --------------------------------------------------------------------------- hardware
@@ -239,6 +255,76 @@ def line_plot(x: Sequence, series: dict[str, Sequence], title: str, xlabel: str,
     return fig
 
 
+def plot_data_vs_compute(result, title: str | None = None):
+    """Stacked bars of a benchmark result's rows: median data time and compute time per step (ms)."""
+    import matplotlib.pyplot as plt
+    rows = [row for row in result.rows if row.get("data ms") is not None]
+    labels = [row.get("setting", row.get("setup", "")) for row in rows]
+    compute = [row["compute ms"] for row in rows]
+    data = [row["data ms"] for row in rows]
+    fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.45 * len(rows)))
+    ax.barh(labels, compute, color="tab:blue", label="compute")
+    ax.barh(labels, data, left=compute, color="tab:orange", label="data (waiting for the loader)")
+    ax.invert_yaxis()
+    ax.set(title=f"{title or result.title}\n{result.provenance.get('hardware', hardware_label())}",
+           xlabel="milliseconds per step (median)")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def beside_article(result) -> list[dict]:
+    """The article's speed table above the rows of a measured `bench.table` result, each labelled."""
+    rows = [{"source": "the article (its GPUs)", **{k: v for k, v in row.items() if k != "devices"}}
+            for row in ARTICLE_SPEED_TABLE]
+    for row in result.rows:
+        if row.get("img/s"):
+            rows.append({"source": "this machine", "setup": row["setup"], "img/s": row["img/s"],
+                         "memory GB": row["total MiB"] / 1024, "speedup": row["speedup"]})
+    return rows
+
+
+def plot_beside_article(result):
+    """Speedup against devices used: the article's rows and this machine's, with the ideal line."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    article = ARTICLE_SPEED_TABLE
+    ax.plot([r["devices"] for r in article], [r["speedup"] for r in article], "s--", color="tab:gray",
+            label="the article (its GPUs, quoted)")
+    for r in article:
+        ax.annotate(r["setup"], (r["devices"], r["speedup"]), textcoords="offset points", xytext=(6, -10), fontsize=8)
+    mine = [r for r in result.rows if r.get("img/s")]
+    devices = [r["speedup"] / r["scaling efficiency"] for r in mine]
+    ax.plot(devices, [r["speedup"] for r in mine], "o", color="tab:green", markersize=8, label="this machine")
+    for d, r in zip(devices, mine):
+        ax.annotate(r["setup"], (d, r["speedup"]), textcoords="offset points", xytext=(6, 4), fontsize=8,
+                    color="tab:green")
+    top = max(devices + [r["devices"] for r in article])
+    ax.plot([1, top], [1, top], ":", color="black", label="ideal (speedup = devices)")
+    ax.set(title=f"Speedup against devices used\nthis machine: {result.provenance.get('hardware', hardware_label())}",
+           xlabel="devices used (GPUs; on a CPU, cores)", ylabel="speedup over one device (x)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def fits_table(result, cards_gb: Sequence[float] = (11, 24, 80), headroom: float = 0.9) -> list[dict]:
+    """From a `memory.memory_table` result: per image size, the largest batch whose total stays
+    below `headroom` of each card's memory ("none" when not even batch 1 fits)."""
+    sizes = sorted({row["image size"] for row in result.rows})
+    table = []
+    for size in sizes:
+        rows = [row for row in result.rows if row["image size"] == size]
+        entry = {"image size": f"{size} x {size}"}
+        for card in cards_gb:
+            fitting = [row["batch"] for row in rows if row["total MiB"] < headroom * card * 1024]
+            entry[f"{card:g} GB card"] = f"batch {max(fitting)}" if fitting else "none"
+        table.append(entry)
+    return table
+
+
 @torch.inference_mode()
 def show_predictions(model, dataset, count: int = 4, top: int = 3, title: str = ""):
     """Ground truth (top row) beside the model's `top` highest-scoring masks and boxes (bottom row),
@@ -343,6 +429,82 @@ def model_from_run(output_dir: Path | str):
     model = build_model(cfg, saved["num_classes"])
     model.load_state_dict(checkpoint.load(out / "checkpoints" / "last.pt")["model"])
     return model.eval()
+
+
+def process_report() -> list[dict] | None:
+    """Run inside `distributed.launch`: each rank's place in the group and one all-reduce, gathered."""
+    info = du.info()
+    total = du.all_reduce_sum(torch.tensor([info.rank + 1.0], device=info.device))
+    mine = {"rank": info.rank, "local rank": info.local_rank, "world size": info.world_size,
+            "backend": info.backend, "device": str(info.device), "CPU threads": torch.get_num_threads(),
+            "process id": os.getpid(), "all-reduce of rank + 1": float(total)}
+    return du.all_gather_objects(mine)
+
+
+def demo_processes() -> tuple[int, str | None]:
+    """(processes, backend) for the chapters' multi-process demos: one per GPU (nccl) with two or
+    more GPUs, else two gloo processes (two GPU processes cannot share one GPU under nccl)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return (gpus, None) if gpus >= 2 else (2, "gloo")
+
+
+# --------------------------------------------------------------------------- chapter 9's experiments
+
+
+def imbalance_run(batch_sizes: Sequence[Sequence[int]], steps: int = 6, warmup: int = 1) -> list[dict]:
+    """Run inside `distributed.launch`: for each entry of `batch_sizes`, DDP steps where rank r
+    trains `entry[r]` images per step.
+
+    Returns, per entry, each rank's median compute time per step, the median step time (every rank
+    waits for the slowest at the all-reduce) and the warnings of a `monitor.StragglerCheck`.
+    """
+    import statistics
+    from .bench import bench_config, measure
+    from .monitor import StragglerCheck
+    info = du.info()
+    results = []
+    for per_rank in batch_sizes:
+        check = StragglerCheck(every=warmup + steps)
+        compute: list[list[float]] = []
+        measured = measure(bench_config(batch_size=per_rank[info.rank]), steps=steps, warmup=warmup,
+                           callbacks=[check, lambda record: compute.append(record.rank_compute_times)])
+        results.append({"batch per rank": list(per_rank),
+                        "compute s per rank": [statistics.median(times) for times in zip(*compute)],
+                        "step s": statistics.median(measured.iter_times), "warnings": check.warnings})
+    return results
+
+
+def allreduce_timing(total_mb: float, bucket_mbs: Sequence[float], repeats: int = 5) -> list[dict]:
+    """Run inside `distributed.launch`: median time to all-reduce `total_mb` of fp32 gradients in
+    buckets of each size, and in the default bucket size after compressing them to fp16 (what
+    DDP's fp16 compression hook sends). Returns rows on every rank."""
+    import statistics
+    import time
+    info = du.info()
+    gradients = torch.zeros(int(total_mb * 2**20 / 4), device=info.device)
+
+    def median_seconds(chunks: list[torch.Tensor]) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first round warms the connections up
+            du.barrier()
+            start = time.perf_counter()
+            for chunk in chunks:
+                du.all_reduce_sum(chunk)
+            if info.device.type == "cuda":
+                torch.cuda.synchronize(info.device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    rows = []
+    for bucket in bucket_mbs:
+        chunks = list(gradients.split(max(1, int(bucket * 2**20 / 4))))
+        rows.append({"sent as": f"fp32 in {bucket:g} MB buckets", "all-reduces": len(chunks),
+                     "MB per process": total_mb, "ms": 1000 * median_seconds(chunks)})
+    default_bucket = 25.0
+    chunks = list(gradients.half().split(max(1, int(default_bucket * 2**20 / 2))))
+    rows.append({"sent as": f"fp16 in {default_bucket:g} MB buckets (compressed)", "all-reduces": len(chunks),
+                 "MB per process": total_mb / 2, "ms": 1000 * median_seconds(chunks)})
+    return rows
 
 
 # --------------------------------------------------------------------------- chapter 1's experiment

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 #: Settings that change the model's shapes or meaning: a checkpoint must agree on all of them.
 MODEL_KEYS = ("backbone", "norm", "sync_bn", "fpn_channels", "mask_head_layers", "mask_head_channels",
-              "box_head_dim", "num_classes", "class_names")
+              "box_head_dim", "anchor_sizes", "num_classes", "class_names")
 _NUMBERED = re.compile(r"^step_(\d+)\.pt$")
 _TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)$")
 

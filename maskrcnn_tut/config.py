@@ -186,6 +186,10 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
             raise ConfigError(f"{_flag(name)} must be a positive integer, got {value}")
     if cfg.lr <= 0:
         raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    sizes = cfg.anchor_sizes.split(",")
+    if len(sizes) != 5 or not all(s.strip().isdigit() and int(s) > 0 for s in sizes):
+        raise ConfigError(f"--anchor-sizes {cfg.anchor_sizes!r}: give 5 positive integers, one per FPN "
+                          "level (e.g. 32,64,128,256,512)")
     if cfg.workers < 0:
         raise ConfigError(f"--workers must be 0 or more, got {cfg.workers}")
     if cfg.warmup_steps < 0 or cfg.skip_nonfinite < 0:

@@ -13,8 +13,8 @@ across ranks, so none of them runs a collective):
 Around them: `GPUSampler` (a thread reading every GPU's utilization and memory through NVML,
 "not available" without an NVIDIA driver), `plot_metrics(rows)` (data vs compute timeline,
 throughput, memory; rows as in `metrics.jsonl` or `step_row`), `health_advice(rows, gpus)` (the
-article's healthy ranges as plain-language advice) and `peak_memory_mb` / `reset_peak_memory` /
-`device_memory_mb`.
+article's healthy ranges as plain-language advice) and the memory readers `peak_memory_mb`,
+`reset_peak_memory`, `current_memory_mb`, `device_memory_mb`.
 """
 from __future__ import annotations
 
@@ -80,6 +80,16 @@ def peak_memory_mb(device: torch.device) -> float:
     if hwm is not None:
         return hwm / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def current_memory_mb(device: torch.device) -> float:
+    """Memory in use now: CUDA tensors on the GPU, else this process's resident set size (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    rss = _proc_status_kib("VmRSS")
+    if rss is None:
+        raise RuntimeError("current_memory_mb needs Linux's /proc/self/status on a CPU")
+    return rss / 1024
 
 
 def device_memory_mb(device: torch.device) -> float | None:

@@ -1,0 +1,221 @@
+"""Where training memory goes: parameters, gradients, optimizer state and activations.
+
+- `breakdown(cfg, image_size, batch_size)`: builds the config's Mask R-CNN, sizes its parameters,
+  gradients and optimizer state exactly (one optimizer step on zero gradients creates the state),
+  and counts the activations: one forward pass on a synthetic batch of square images runs under
+  `torch.autograd.graph.saved_tensors_hooks`, which sees every tensor autograd keeps for the
+  backward pass; they are deduplicated by storage, parameters left out.
+- `measure_growth(cfg, image_size, batch_size)`: the check. Real `engine.train_step`s on the same
+  batch in a fresh process; how far memory rises above the loaded model: the CUDA allocator's peak
+  (`torch.cuda.max_memory_allocated`) on a GPU, the peak resident set size (VmHWM) on a CPU, with
+  glibc told to return freed tensors to the OS (`MALLOC_MMAP_THRESHOLD_`) so RSS follows the live
+  tensors. A step's rise is gradients + optimizer state + activations: `MemoryBreakdown.growth_mb`.
+- `memory_table(preset, image_sizes, batch_sizes)`: the chapter 1 table and plot, "memory by image
+  size and batch" (R50-FPN up to 1024x1024 by default) against a GPU's memory. Activations are
+  measured at a few sizes and fitted per image as a + b x pixels, then scaled by the batch; rows
+  beyond the measured sizes are marked as extrapolated. On a CPU the default measures only small
+  sizes (a 1024 px R50 forward pass there takes minutes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from . import distributed as du
+from .config import Config, make_config
+
+MIB = 2**20
+#: The GPU the article recommends (RTX 2080 Ti, 11 GB): the default line in `memory_table`'s plot.
+ARTICLE_GPU_GB = 11.0
+#: Keep tensors above 64 KiB out of glibc's heap so a CPU process's RSS follows its live tensors.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes (MiB) of each part of a training step's memory for one image size and batch."""
+
+    preset: str
+    image_size: int
+    batch_size: int
+    device: str
+    autocast: str
+    parameters_mb: float
+    gradients_mb: float
+    optimizer_mb: float
+    activations_mb: float
+    saved_tensors: int
+
+    @property
+    def growth_mb(self) -> float:
+        """What a training step adds on top of the loaded model: gradients, optimizer state, activations."""
+        return self.gradients_mb + self.optimizer_mb + self.activations_mb
+
+    @property
+    def total_mb(self) -> float:
+        return self.parameters_mb + self.growth_mb
+
+    def row(self) -> dict:
+        return {"image size": self.image_size, "batch": self.batch_size, "parameters MiB": self.parameters_mb,
+                "gradients MiB": self.gradients_mb, "optimizer MiB": self.optimizer_mb,
+                "activations MiB": self.activations_mb, "total MiB": self.total_mb}
+
+
+def synthetic_batch(image_size: int, batch_size: int, objects: int = 3, seed: int = 0) -> tuple[list, list]:
+    """`batch_size` random uint8 square images, each with `objects` boxes and box-shaped masks."""
+    gen = torch.Generator().manual_seed(seed)
+    images, targets = [], []
+    for _ in range(batch_size):
+        images.append(torch.randint(0, 256, (3, image_size, image_size), dtype=torch.uint8, generator=gen))
+        boxes, masks = [], torch.zeros(objects, image_size, image_size, dtype=torch.uint8)
+        for k in range(objects):
+            w, h = torch.randint(image_size // 8, image_size // 2, (2,), generator=gen).tolist()
+            x = int(torch.randint(0, image_size - w, (1,), generator=gen))
+            y = int(torch.randint(0, image_size - h, (1,), generator=gen))
+            boxes.append([x, y, x + w, y + h])
+            masks[k, y:y + h, x:x + w] = 1
+        targets.append({"boxes": torch.tensor(boxes, dtype=torch.float32),
+                        "labels": torch.arange(objects) % 3 + 1, "masks": masks})
+    return images, targets
+
+
+def _sized(cfg: Config, image_size: int) -> Config:
+    return dataclasses.replace(cfg, min_size=image_size, max_size=image_size)
+
+
+def _tensor_mb(tensors) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / MIB
+
+
+def _model_and_optimizer(cfg: Config, device: torch.device):
+    from .engine import build_optimizer
+    from .model import build_model
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, num_classes=4).to(device).train()
+    return model, build_optimizer(model, cfg)
+
+
+def _activations(model, images, targets, cfg: Config, device: torch.device) -> tuple[float, int]:
+    """MiB and count of the distinct storages autograd saves in one forward pass (parameters excluded)."""
+    from .data.loader import to_device
+    from .engine import autocast
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    images, targets = to_device(images, targets, device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast(cfg, device):
+        losses = model(images, targets)
+    del losses  # frees the graph and with it every saved tensor
+    return sum(saved.values()) / MIB, len(saved)
+
+
+def breakdown(cfg: Config, image_size: int, batch_size: int, device: torch.device | str | None = None) -> MemoryBreakdown:
+    """Parameters, gradients, optimizer state and activations of one training step (see module doc)."""
+    from .engine import amp_dtype
+    device = torch.device(device) if device is not None else du.info().device
+    cfg = _sized(cfg, image_size)
+    model, optimizer = _model_and_optimizer(cfg, device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # creates the optimizer's state (AdamW: two moments per parameter)
+    optimizer_mb = _tensor_mb(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+    optimizer.zero_grad(set_to_none=True)
+    activations_mb, count = _activations(model, *synthetic_batch(image_size, batch_size), cfg, device)
+    dtype = amp_dtype(cfg, device)
+    return MemoryBreakdown(preset=cfg.preset, image_size=image_size, batch_size=batch_size, device=str(device),
+                           autocast=str(dtype).replace("torch.", "") if dtype else "off (fp32)",
+                           parameters_mb=_tensor_mb(model.parameters()), gradients_mb=_tensor_mb(trainable),
+                           optimizer_mb=optimizer_mb, activations_mb=activations_mb, saved_tensors=count)
+
+
+def growth_worker(cfg: Config, image_size: int, batch_size: int, steps: int) -> float:
+    """Run inside `distributed.launch`: MiB that `steps` training steps add above the loaded model."""
+    from .engine import TrainState, make_scaler, train_step
+    from .monitor import current_memory_mb, peak_memory_mb, reset_peak_memory
+    device = du.info().device
+    cfg = dataclasses.replace(_sized(cfg, image_size), pin_memory=False)
+    model, optimizer = _model_and_optimizer(cfg, device)
+    scaler = make_scaler(cfg, device)
+    batches = itertools.repeat(synthetic_batch(image_size, batch_size))
+    reset_peak_memory(device)
+    baseline = current_memory_mb(device)
+    state, names = TrainState(), []
+    for _ in range(steps):
+        train_step(model, optimizer, scaler, batches, cfg, device, state, names)
+    return peak_memory_mb(device) - baseline
+
+
+def measure_growth(cfg: Config, image_size: int, batch_size: int, steps: int = 2) -> float:
+    """The measured rise of memory during `steps` training steps, in a fresh process (see module doc).
+
+    Two steps: the first creates the optimizer state, the second holds it together with the
+    activations and gradients, as every later step does.
+    """
+    from .bench import _environment
+    with _environment(**MALLOC_ENV):
+        return du.launch(growth_worker, 1, cfg, image_size, batch_size, steps)
+
+
+def memory_table(preset: str = "gpu-r50", image_sizes: tuple[int, ...] = (256, 512, 800, 1024),
+                 batch_sizes: tuple[int, ...] = (1, 2, 4, 8), measure_sizes: tuple[int, ...] | None = None,
+                 gpu_memory_gb: float = ARTICLE_GPU_GB, **overrides):
+    """Memory by image size and batch for `preset` (module doc); returns a `bench.BenchResult`.
+
+    `measure_sizes`: sizes whose activations are counted (batch 1); the others are fitted as
+    a + b x pixels per image. Default: every size on a GPU, 192 and 320 px on a CPU.
+    """
+    from .bench import BenchResult, _call, provenance
+    device = du.info().device
+    if device.type != "cuda" and "amp" not in overrides:
+        overrides["amp"] = False  # CPU autocast is no stand-in for a GPU's, and slow without bf16 hardware
+    cfg = make_config(preset, **overrides)
+    if measure_sizes is None:
+        measure_sizes = tuple(image_sizes) if device.type == "cuda" else (192, 320)
+    if len(measure_sizes) < 2:
+        raise ValueError("memory_table needs at least two measure_sizes to fit activations per pixel")
+    measured = {s: breakdown(cfg, s, 1, device) for s in measure_sizes}
+    # least squares of activations per image = a + b * pixels over the measured sizes
+    xs = [float(s * s) for s in measured]
+    ys = [m.activations_mb for m in measured.values()]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    intercept = mean_y - slope * mean_x
+    fixed = next(iter(measured.values()))
+    rows = []
+    for size in image_sizes:
+        per_image = measured[size].activations_mb if size in measured else intercept + slope * size * size
+        for batch in batch_sizes:
+            row = dataclasses.replace(fixed, image_size=size, batch_size=batch, activations_mb=per_image * batch).row()
+            row["fits"] = "yes" if row["total MiB"] < 0.9 * gpu_memory_gb * 1024 else "no"
+            row["activations"] = "counted" if size in measured else "extrapolated"
+            rows.append(row)
+    notes = [
+        f"{cfg.preset}: {cfg.backbone}-FPN, {fixed.autocast} autocast, {cfg.optimizer} optimizer; parameters, "
+        "gradients and optimizer state are exact; activations are the tensors autograd saves for backward, "
+        f"counted at {', '.join(f'{s} px' for s in measured)} (batch 1) on {device.type} and scaled by the batch.",
+        f"Per image, activations ~ {intercept:.0f} MiB + {slope * 1e6:.0f} MiB per megapixel; rows marked "
+        "'extrapolated' use that fit.",
+        f"fits: total below 90 % of a {gpu_memory_gb:g} GB GPU (the article's RTX 2080 Ti has 11 GB). A GPU also "
+        "holds the CUDA context and cuDNN workspaces (several hundred MiB more).",
+    ]
+    if device.type != "cuda" and not cfg.amp:
+        notes.append("Counted without autocast on this CPU; with the preset's float16 autocast a GPU keeps many "
+                     "activations in half the bytes: run memory_table on a GPU for those figures.")
+    result = BenchResult("memory", f"Training memory by image size and batch ({cfg.backbone}-FPN)", rows,
+                         ["image size", "batch", "parameters MiB", "gradients MiB", "optimizer MiB",
+                          "activations MiB", "total MiB", "fits", "activations"], notes,
+                         provenance(_call("memory.memory_table", preset=preset, image_sizes=image_sizes,
+                                          batch_sizes=batch_sizes, measure_sizes=measure_sizes,
+                                          gpu_memory_gb=gpu_memory_gb)))
+    result.provenance["gpu_memory_gb_compared"] = gpu_memory_gb
+    return result

@@ -1,0 +1,90 @@
+"""bench: the measurement, the speed table from the shell, a sweep, results files and the GPU suite's refusal.
+
+Tiny settings (64 px images, a few steps): these check the machinery, not the speed. The speed
+criteria are measured on a quiet machine with the commands in the README's benchmark section.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import subprocess_env
+from maskrcnn_tut import bench
+
+TINY = dict(min_size=64, max_size=96, batch_size=2)
+
+
+def test_measure_times_the_training_step_after_warmup():
+    seen = []
+    cfg = bench.bench_config("cpu-tiny", **TINY)
+    measured = bench.measure(cfg, steps=3, warmup=1, threads=1, shape="fixed", callbacks=[seen.append])
+    assert [r.step for r in seen] == [2, 3, 4]  # warm-up step 1 excluded
+    assert len(measured.iter_times) == 3 and measured.images_per_step == 2 and measured.threads == 1
+    row = measured.row()
+    assert row["img/s"] == pytest.approx(2 / sorted(measured.iter_times)[1])
+    assert row["peak MiB/device"] > 100 and row["data ms"] < row["compute ms"]
+    with pytest.raises(ValueError, match="natural, fixed or varying"):
+        bench.measure(cfg, steps=1, warmup=0, shape="square")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU table")
+def test_table_from_the_shell_writes_json_with_provenance(tmp_path):
+    out = tmp_path / "t.json"
+    command = [sys.executable, "-m", "maskrcnn_tut.bench", "table", "--preset", "cpu-tiny", "--steps", "2",
+               "--warmup", "1", "--min-size", "64", "--max-size", "96", "--batch-size", "2", "--nprocs", "2",
+               "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = bench.BenchResult.load(out)
+    setups = [row["setup"] for row in result.rows]
+    assert setups[0].startswith("Single (1 process x 1 thread)") and setups[-1].startswith("DDP(2)")
+    assert any(s.startswith("DP(2)") for s in setups)
+    dp_row = next(row for row in result.rows if row["setup"].startswith("DP(2)"))
+    assert "needs >= 2 GPUs" in dp_row["note"] and dp_row.get("img/s") is None
+    first, ddp = result.rows[0], result.rows[-1]
+    assert first["speedup"] == 1.0 and ddp["processes"] == 2 and ddp["threads/process"] == 1
+    assert ddp["speedup"] == pytest.approx(ddp["img/s"] / first["img/s"])
+    assert ddp["scaling efficiency"] == pytest.approx(ddp["speedup"] / 2)
+    assert ddp["total MiB"] == pytest.approx(2 * ddp["peak MiB/device"], rel=0.3)
+    for key in ("cpu", "cores", "gpus", "torch", "cuda", "cudnn", "nccl", "date"):
+        assert key in result.provenance
+    assert result.provenance["command"] == "python -m maskrcnn_tut.bench " + " ".join(command[3:])
+    assert "| setup |" in done.stdout and "Speed table" in done.stdout
+
+
+def test_sweep_reports_each_setting_and_what_made_no_difference():
+    result = bench.sweep_accum("cpu-tiny", accum_steps=(1, 2), steps=2, warmup=1, **TINY)
+    assert [row["setting"] for row in result.rows] == [
+        "batch 2 x accum 1 (2 images/step)", "batch 2 x accum 2 (4 images/step)", "batch 4 x accum 1 (4 images/step)"]
+    assert all(row["img/s"] > 0 and row["peak MiB/device"] > 0 for row in result.rows)
+    assert any(note.startswith("accum_steps") for note in result.notes)
+    assert json.loads(json.dumps(result.to_dict()))["rows"][0]["knobs"]["accum_steps"] == 1
+
+
+def test_knob_note_compares_rows_that_differ_only_in_that_knob():
+    rows = [{"setting": f"w{w} p{p}", "img/s": speed, "knobs": {"workers": w, "persistent": p}}
+            for w, p, speed in [(0, False, 10.0), (1, False, 10.2), (1, True, 13.0)]]
+    assert "no measurable difference" in bench._knob_note(rows[:2], "workers", "the loader keeps up.")
+    note = bench._knob_note(rows, "persistent", "")
+    assert "27%" in note and "best: w1 pTrue" in note
+    assert "fewer than two" in bench._knob_note(rows[:1], "workers", "")
+
+
+def test_result_round_trips_and_renders(tmp_path):
+    result = bench.BenchResult("amp", "AMP", [{"setting": "fp32", "img/s": 2.0, "peak MiB/device": 900.0}],
+                               bench.SWEEP_COLUMNS, ["bf16 skipped: no bf16 instructions"], bench.provenance("test"))
+    again = bench.BenchResult.load(result.save(tmp_path / "r.json"))
+    assert again == result
+    assert "| fp32 | 2 |" in again.to_markdown() and "- bf16 skipped" in again.to_markdown()
+    import matplotlib.pyplot as plt
+    plt.close(again.plot())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_gpu_suite_refuses_plainly_on_a_cpu_machine(capsys):
+    assert bench.main(["--suite", "gpu", "--max-minutes", "1"]) == 2
+    assert "needs CUDA GPUs and this machine has none" in capsys.readouterr().err

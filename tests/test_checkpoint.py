@@ -1,0 +1,162 @@
+"""Checkpoints survive crashes: a save killed midway leaves the previous one loadable and `--resume
+auto` uses it; a truncated or foreign file is named in the error and skipped with a warning; a
+checkpoint of another model is refused saying what differs; loading never runs code."""
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+from maskrcnn_tut import checkpoint as ckpt
+
+CONFIG = {"backbone": "resnet18", "norm": "bn", "sync_bn": False, "fpn_channels": 128, "mask_head_layers": 2,
+          "mask_head_channels": 128, "box_head_dim": 256, "num_classes": 4,
+          "class_names": ["square", "circle", "triangle"]}
+
+
+def _payload(step: int, numel: int = 1000) -> dict:
+    return {"model": {"w": torch.full((numel,), float(step))}, "state": {"step": step}, "config": CONFIG}
+
+
+# A child that saves step 4 over a folder holding step 2 and is SIGKILLed inside the save: after
+# torch.save wrote the temp file, when it asks for fsync (before the rename).
+KILLED_SAVE = """
+import os, sys, time, torch
+from pathlib import Path
+from maskrcnn_tut import checkpoint as ckpt
+real_fsync = os.fsync
+def fsync_then_hang(fd):
+    if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".step_"):
+        Path(sys.argv[2]).touch()
+        time.sleep(600)
+    real_fsync(fd)
+os.fsync = fsync_then_hang
+ckpt.save(Path(sys.argv[1]), {"model": {"w": torch.full((4_000_000,), 4.0)}, "state": {"step": 4}}, 4, keep=2)
+"""
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_for_auto_resume(tmp_path):
+    ckpt_dir, writing = tmp_path / "checkpoints", tmp_path / "writing"
+    ckpt.save(ckpt_dir, _payload(2), 2, keep=2)
+    child = subprocess.Popen([PYTHON, "-c", KILLED_SAVE, str(ckpt_dir), str(writing)], env=subprocess_env())
+    try:
+        deadline = time.monotonic() + 300
+        while not writing.exists():
+            assert child.poll() is None and time.monotonic() < deadline, "the child never reached the save"
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    leftovers = [p.name for p in ckpt_dir.iterdir() if p.name.startswith(".step_0000004.pt.tmp-")]
+    assert leftovers, "the kill should have hit the save between write and rename"
+    assert [p.name for p in ckpt.numbered(ckpt_dir)] == ["step_0000002.pt"]
+    path, payload = ckpt.newest_loadable(ckpt_dir)
+    assert path.name == "step_0000002.pt" and payload["state"]["step"] == 2
+    assert ckpt.load(ckpt_dir / "last.pt")["state"]["step"] == 2
+    ckpt.save(ckpt_dir, _payload(4), 4, keep=2)  # the next save clears what the killed one left
+    assert not [p for p in ckpt_dir.iterdir() if p.name.startswith(".")]
+
+
+def test_a_failed_write_raises_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    ckpt.save(tmp_path, _payload(2), 2, keep=2)
+
+    def disk_full(obj, f):
+        f.write(b"partial bytes")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(ckpt.CheckpointError, match=r"step_0000004.pt: cannot be written \(No space left"):
+        ckpt.save(tmp_path, _payload(4), 4, keep=2)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "step_0000002.pt"]
+    assert ckpt.load(tmp_path / "last.pt")["state"]["step"] == 2
+
+
+def test_truncated_checkpoint_is_named_and_auto_resume_falls_back_with_a_warning(tmp_path, caplog):
+    for step in (2, 4):
+        ckpt.save(tmp_path, _payload(step), step, keep=2)
+    newest = tmp_path / "step_0000004.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncates last.pt too (hard link)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{newest}: cannot be loaded"):
+        ckpt.load(newest)
+    with caplog.at_level(logging.WARNING, logger="maskrcnn_tut.checkpoint"):
+        path, payload = ckpt.newest_loadable(tmp_path)
+    assert path.name == "step_0000002.pt" and payload["state"]["step"] == 2
+    assert f"{newest}: cannot be loaded" in caplog.text and "trying the previous checkpoint" in caplog.text
+
+
+def test_loading_refuses_pickled_code_and_foreign_files(tmp_path):
+    class Sneaky:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    torch.save({"model": {}, "state": {}, "payload": Sneaky()}, tmp_path / "sneaky.pt")
+    with pytest.raises(ckpt.CheckpointError, match=r"sneaky.pt: cannot be loaded \(UnpicklingError"):
+        ckpt.load(tmp_path / "sneaky.pt")
+    torch.save({"weights": torch.ones(2)}, tmp_path / "foreign.pt")
+    with pytest.raises(ckpt.CheckpointError, match="foreign.pt: not a maskrcnn_tut checkpoint"):
+        ckpt.load(tmp_path / "foreign.pt")
+    with pytest.raises(ckpt.CheckpointError, match="missing.pt: checkpoint not found"):
+        ckpt.load(tmp_path / "missing.pt")
+
+
+def test_a_checkpoint_of_another_model_is_refused_saying_what_differs(tmp_path):
+    ckpt.check_compatible(CONFIG, dict(CONFIG), tmp_path / "x.pt")
+    other = CONFIG | {"backbone": "resnet34", "class_names": ["square", "circle", "star"]}
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.check_compatible(CONFIG, other, tmp_path / "x.pt")
+    message = str(err.value)
+    assert message.startswith("--resume:") and "backbone: checkpoint 'resnet18' vs run 'resnet34'" in message
+    assert "'triangle'" in message and "'star'" in message and "num_classes" not in message
+
+
+def test_keeps_the_newest_checkpoints_and_points_last_at_the_newest(tmp_path):
+    for step in (1, 2, 3):
+        ckpt.save(tmp_path, _payload(step), step, keep=2)
+    assert [p.name for p in ckpt.numbered(tmp_path)] == ["step_0000003.pt", "step_0000002.pt"]
+    assert os.path.samefile(tmp_path / "last.pt", tmp_path / "step_0000003.pt")
+
+
+def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    import random
+
+    import numpy as np
+
+    state = ckpt.rng_state()
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    torch.save({"rng": state}, tmp_path / "rng.pt")
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_resume_auto_from_the_command_line_skips_a_corrupt_newest_checkpoint(shapes_root, tmp_path):
+    """One process, 3 steps; then the newest checkpoint is truncated and the run resumes from step 2
+    with a warning, replaying step 3 to exactly the weights the first run had."""
+    val = json.loads((shapes_root / "annotations" / "instances_val2017.json").read_text())
+    val["images"] = val["images"][:2]  # a short final evaluation
+    (tmp_path / "val.json").write_text(json.dumps(val))
+    run = [PYTHON, str(TRAIN_SCRIPT), "--train-json", str(shapes_root / "annotations" / "instances_train2017.json"),
+           "--train-images", str(shapes_root / "train2017"), "--val-json", str(tmp_path / "val.json"),
+           "--val-images", str(shapes_root / "val2017"), "--output-dir", str(tmp_path / "run"),
+           "--batch-size", "2", "--min-size", "96", "--max-size", "128", "--workers", "0", "--no-progress",
+           "--max-steps", "3", "--checkpoint-every", "1", "--keep-checkpoints", "3", "--deterministic",
+           "--resume", "auto"]
+    first = subprocess.run(run, capture_output=True, text=True, timeout=240, env=subprocess_env())
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    expected = ckpt.load(ckpt_dir / "last.pt")["model"]
+    newest = ckpt_dir / "step_0000003.pt"
+    newest.write_bytes(newest.read_bytes()[:4096])
+    again = subprocess.run(run, capture_output=True, text=True, timeout=240, env=subprocess_env())
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"--resume auto: {newest}: cannot be loaded" in again.stderr
+    assert "resumed from" in again.stderr and "step_0000002.pt at step 2" in again.stderr
+    resumed = ckpt.load(ckpt_dir / "last.pt")
+    assert resumed["state"]["step"] == 3
+    assert max(float((resumed["model"][k].double() - v.double()).abs().max()) for k, v in expected.items()
+               if v.numel()) <= 1e-6

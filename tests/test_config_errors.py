@@ -1,0 +1,98 @@
+"""Every invalid setting is rejected before training: one line naming the flag, exit code 2, no
+traceback, the same under torchrun on every rank."""
+import subprocess
+
+import pytest
+import torch
+
+from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+from maskrcnn_tut import checkpoint as ckpt
+from maskrcnn_tut.config import ConfigError, make_config, validate
+from maskrcnn_tut.distributed import free_port
+
+INVALID = [  # (setting, value, the flag the message must name)
+    ("batch_size", 0, "--batch-size"), ("epochs", 0, "--epochs"), ("accum_steps", 0, "--accum-steps"),
+    ("min_size", 0, "--min-size"), ("max_size", -1, "--max-size"), ("max_steps", 0, "--max-steps"),
+    ("checkpoint_every", 0, "--checkpoint-every"), ("keep_checkpoints", 0, "--keep-checkpoints"),
+    ("lr", 0.0, "--lr"), ("workers", -1, "--workers"), ("skip_nonfinite", -1, "--skip-nonfinite"),
+    ("dist_timeout", 0.0, "--dist-timeout"), ("clip_grad_norm", 0.0, "--clip-grad-norm"),
+    ("backbone", "vgg16", "--backbone"), ("norm", "layer", "--norm"), ("optimizer", "lamb", "--optimizer"),
+    ("amp_dtype", "float8", "--amp-dtype"), ("amp_dtype", "float16", "--amp-dtype"),
+    ("dist_backend", "mpi", "--dist-backend"), ("dist_backend", "nccl", "--dist-backend"),
+    ("grad_compression", "fp16", "--grad-compression"), ("anchor_sizes", "32,64", "--anchor-sizes"),
+    ("test_only", True, "--test-only"), ("data_path", "/no/such/dir", "--data-path"),
+    ("train_json", "/no/such.json", "--train-json"), ("resume", "/no/such.pt", "--resume"),
+    ("weights", "/no/such.pt", "--weights"),
+]
+
+
+@pytest.mark.parametrize("name,value,flag", INVALID, ids=[f"{n}={v}" for n, v, _ in INVALID])
+def test_invalid_setting_names_its_flag(name, value, flag):
+    cfg = make_config("cpu-tiny", **{name: value})
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, cuda_available=False)
+    assert flag in str(err.value) and "\n" not in str(err.value)
+
+
+def test_more_processes_than_gpus_with_nccl(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = make_config("gpu-r50")
+    validate(cfg, cuda_available=True, local_world_size=2)
+    with pytest.raises(ConfigError, match=r"--nproc-per-node 4 is more than the 2 visible GPU\(s\)"):
+        validate(cfg, cuda_available=True, local_world_size=4)
+    validate(make_config("gpu-r50", dist_backend="gloo"), cuda_available=True, local_world_size=4)
+
+
+def test_valid_presets_pass(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    validate(make_config("cpu-tiny"), cuda_available=False)
+    validate(make_config("gpu-r50"), cuda_available=True)
+
+
+def _incompatible_checkpoint(path):
+    """A loadable checkpoint of a ResNet-34 model: `--resume` must refuse it before training."""
+    config = make_config("cpu-tiny", backbone="resnet34").to_dict() | {
+        "num_classes": 4, "class_names": ["square", "circle", "triangle"]}  # the shapes' classes
+    ckpt.atomic_save({"model": {}, "state": {}, "config": config}, path)
+    return path
+
+
+def test_cli_rejects_each_bad_setting_with_one_line_and_exit_code_2(shapes_root, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    data = ["--data-path", str(shapes_root), "--output-dir", str(tmp_path / "run"), "--no-progress"]
+    cases = {  # flags -> what the single error line starts with
+        ("--data-path", "/no/such/dir"): "error: --data-path /no/such/dir: no such directory",
+        (*data, "--batch-size", "0"): "error: --batch-size must be a positive integer, got 0",
+        (*data, "--min-size", "-5"): "error: --min-size must be a positive integer, got -5",
+        (*data, "--accum-steps", "0"): "error: --accum-steps must be a positive integer, got 0",
+        (*data, "--preset", "tpu-huge"): "error: --preset: unknown preset 'tpu-huge'",
+        (*data, "--amp-dtype", "float16"): "error: --amp-dtype float16 needs a CUDA GPU",
+        (*data, "--output-dir", str(tmp_path / "a_file" / "run")): f"error: --output-dir {tmp_path / 'a_file' / 'run'}: "
+                                                                    "cannot write there",
+        (*data, "--resume", "/no/such.pt"): "error: --resume /no/such.pt: no such checkpoint file",
+        (*data, "--resume", str(_incompatible_checkpoint(tmp_path / "r34.pt"))):
+            f"error: --resume: {tmp_path / 'r34.pt'} does not match this run's model (backbone: "
+            "checkpoint 'resnet34' vs run 'resnet18')",
+    }
+    procs = {flags: subprocess.Popen([PYTHON, str(TRAIN_SCRIPT), *flags], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=subprocess_env())
+             for flags in cases}  # concurrently: each mostly waits for its imports
+    for flags, expected in cases.items():
+        out, err = procs[flags].communicate(timeout=300)
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert procs[flags].returncode == 2, (flags, err[-2000:])
+        assert len(errors) == 1 and errors[0].startswith(expected), (flags, err[-2000:])
+        assert "Traceback" not in err
+        assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_torchrun_ranks_all_reject_a_bad_setting_and_exit(shapes_root, tmp_path):
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
+           str(TRAIN_SCRIPT), "--data-path", str(shapes_root), "--output-dir", str(tmp_path / "run"),
+           "--batch-size", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env())
+    assert out.returncode != 0
+    ours = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert ours == ["error: --batch-size must be a positive integer, got 0"] * 2, out.stderr[-3000:]
+    assert "exitcode  : 2" in out.stderr  # torchrun's summary of each rank
+    assert "maskrcnn_tut/" not in out.stderr.replace(str(TRAIN_SCRIPT), "")  # no traceback from our code
