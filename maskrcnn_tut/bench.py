@@ -227,18 +227,20 @@ class Measurement:
         compute = [t - d for t, d in zip(self.iter_times, self.data_times)]
         starts = [self.data_times[i] for i in self.epoch_starts]
         return {"img/s": self.img_per_s, "img/s all steps": self.img_per_s_all_steps,
-                "data ms": 1000 * statistics.median(self.data_times),
-                "compute ms": 1000 * statistics.median(compute),
-                "epoch-start data ms": 1000 * statistics.fmean(starts) if starts else None,
-                "peak MiB/device": max(self.peak_memory_mb), "total MiB": sum(self.peak_memory_mb),
+                "data ms": round(1000 * statistics.median(self.data_times), 1),
+                "compute ms": round(1000 * statistics.median(compute), 1),
+                "epoch-start data ms": round(1000 * statistics.fmean(starts), 1) if starts else None,
+                "peak MiB/device": round(max(self.peak_memory_mb)), "total MiB": round(sum(self.peak_memory_mb)),
                 "steps": len(self.iter_times)}
 
 
 def bench_config(preset: str | None = None, data_path: str | None = None, **overrides) -> Config:
-    """The preset (by hardware when None) on the benchmark's shapes data, workers=0, no progress bars."""
+    """The preset (by hardware when None) on the benchmark's shapes data, without progress bars; on
+    CPUs with workers=0, so a process x thread setup uses exactly its cores."""
     if data_path is None:
         data_path = str(ensure_shapes_dataset(**BENCH_SHAPES, progress=False))
-    settings = {"workers": 0, "progress": False, **{k: v for k, v in overrides.items() if v is not None}}
+    settings = {"progress": False, **({} if torch.cuda.is_available() else {"workers": 0}),
+                **{k: v for k, v in overrides.items() if v is not None}}
     cfg = make_config(preset, data_path=str(data_path), **settings)
     validate(cfg)
     return cfg
@@ -262,7 +264,7 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
             dataparallel: bool = False, max_seconds: float | None = None,
             callbacks: list[Callable] = ()) -> Measurement:
     """Train `warmup + steps` steps of the config's model in this process (or the group it joined)
-    and time the last `steps` (fewer when `max_seconds` runs out, at least 3).
+    and time the last `steps` (with `max_seconds`, as many as the warm-up's pace fits, at least 3).
 
     shape: "natural" (the dataset's sizes), "fixed" (every image square at min_size: one input
     shape) or "varying" (multi-scale min sizes, `multiscale_sizes`). dataparallel: one process
@@ -306,20 +308,20 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
     devices = [torch.device("cuda", i) for i in range(n_dp)] if dataparallel else [device]
     model.train()
     term_names: list[str] = []
+    warm_times = []
     for _ in range(warmup):
-        train_step(model, optimizer, scaler, batches, cfg, device, state, term_names)
+        warm_times.append(train_step(model, optimizer, scaler, batches, cfg, device, state, term_names).iter_time)
         scheduler.step()
+    if max_seconds and warm_times:  # rank 0 plans the step count, so every rank stops at the same step
+        steps = du.broadcast_object(min(steps, max(3, int(max_seconds / statistics.median(warm_times)))))
     for dev in devices:
         reset_peak_memory(dev)
-    records, started = [], time.perf_counter()
-    while len(records) < steps:
-        record = train_step(model, optimizer, scaler, batches, cfg, device, state, term_names)
+    records = []
+    for _ in range(steps):
+        records.append(train_step(model, optimizer, scaler, batches, cfg, device, state, term_names))
         scheduler.step()
-        records.append(record)
         for callback in callbacks:
-            callback(record)
-        if max_seconds and time.perf_counter() - started > max_seconds and len(records) >= 3:
-            break
+            callback(records[-1])
     mine = {"iter": [r.iter_time for r in records], "peak": [peak_memory_mb(d) for d in devices]}
     ranks = du.all_gather_objects(mine)
     epochs = [r.epoch for r in records]

@@ -42,9 +42,9 @@ class Config:
     sync_bn: bool = False
     min_size: int = 128
     max_size: int = 192
-    fpn_channels: int = 128
+    fpn_channels: int = 64
     mask_head_layers: int = 2
-    mask_head_channels: int = 128
+    mask_head_channels: int = 64
     box_head_dim: int = 256
     anchor_sizes: str = "16,32,64,128,256"
     rpn_pre_nms_top_n: int = 200
@@ -106,11 +106,12 @@ class Config:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Learns from scratch on the shapes dataset on 2 CPU cores: ResNet-18 FPN with trainable
-    # BatchNorm at 128 px, light RPN/RoI sampling, AdamW.
+    # Learns from scratch on the shapes dataset on 2 CPU cores in about 12 minutes: ResNet-18 with
+    # trainable BatchNorm, a 64-channel normalized FPN with thin heads and 16-256 px anchors at
+    # 128 px, light RPN/RoI sampling, AdamW 2e-3 for a global batch of 8 (2 processes x 4).
     "cpu-tiny": dict(
         backbone="resnet18", norm="bn", min_size=128, max_size=192,
-        fpn_channels=128, mask_head_layers=2, mask_head_channels=128, box_head_dim=256,
+        fpn_channels=64, mask_head_layers=2, mask_head_channels=64, box_head_dim=256,
         anchor_sizes="16,32,64,128,256",
         rpn_pre_nms_top_n=200, rpn_post_nms_top_n=100,
         rpn_batch_size_per_image=64, box_batch_size_per_image=64,

@@ -116,20 +116,20 @@ def _ddp_no_sync(model: nn.Module, last_micro_step: bool):
 
 def _forward_backward(model, images, targets, cfg, device, scaler, accum_steps: int, sync: bool,
                       inject_nan: bool = False):
-    with _ddp_no_sync(model, sync):
-        with autocast(cfg, device):
-            loss_dict = model(images, targets)
-        if inject_nan:
-            loss_dict = {name: value * float("nan") for name, value in loss_dict.items()}
-        loss = sum(loss_dict.values())  # a dict of tensors: sum its values, not the dict
-        try:
+    try:  # DDP reports parameters without gradient in the next step's forward, or in backward
+        with _ddp_no_sync(model, sync):
+            with autocast(cfg, device):
+                loss_dict = model(images, targets)
+            if inject_nan:
+                loss_dict = {name: value * float("nan") for name, value in loss_dict.items()}
+            loss = sum(loss_dict.values())  # a dict of tensors: sum its values, not the dict
             scaler.scale(loss / accum_steps).backward()
-        except RuntimeError as err:
-            if "find_unused_parameters" in str(err) or "did not receive grad" in str(err):
-                raise UnusedParametersError("DDP: some parameters got no gradient this step; rerun "
-                                            "with --find-unused-parameters (slower) or make every "
-                                            "parameter take part in the loss") from err
-            raise
+    except RuntimeError as err:
+        if "find_unused_parameters" in str(err) or "did not receive grad" in str(err):
+            raise UnusedParametersError("DDP: some parameters got no gradient; rerun with "
+                                        "--find-unused-parameters (slower) or make every "
+                                        "parameter take part in the loss") from err
+        raise
     return loss_dict
 
 

@@ -59,9 +59,9 @@ class MemoryBreakdown:
         return self.parameters_mb + self.growth_mb
 
     def row(self) -> dict:
-        return {"image size": self.image_size, "batch": self.batch_size, "parameters MiB": self.parameters_mb,
-                "gradients MiB": self.gradients_mb, "optimizer MiB": self.optimizer_mb,
-                "activations MiB": self.activations_mb, "total MiB": self.total_mb}
+        return {"image size": self.image_size, "batch": self.batch_size, "parameters MiB": round(self.parameters_mb),
+                "gradients MiB": round(self.gradients_mb), "optimizer MiB": round(self.optimizer_mb),
+                "activations MiB": round(self.activations_mb), "total MiB": round(self.total_mb)}
 
 
 def synthetic_batch(image_size: int, batch_size: int, objects: int = 3, seed: int = 0) -> tuple[list, list]:

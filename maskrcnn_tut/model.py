@@ -34,7 +34,7 @@ def build_model(cfg, num_classes: int) -> MaskRCNN:
 
     The head widths are knobs: `gpu-r50` keeps torchvision's (FPN 256, four 256-wide mask
     convs, 1024-d box head); `cpu-tiny` halves the FPN and thins the heads, which makes a step
-    about 2.5x faster on a CPU while still learning the shapes dataset. Trained from scratch, the
+    about 3x faster on a CPU while still learning the shapes dataset. Trained from scratch, the
     FPN and mask head get the same normalization as the backbone (as torchvision's v2 recipe
     does), and anchor sizes follow the object sizes (`--anchor-sizes`).
     """

@@ -405,11 +405,12 @@ class LiveDashboard:
         self.live = _in_notebook()
         if self.live:
             import ipywidgets as widgets
-            from IPython.display import display
+            from IPython.display import HTML, display
             self.progress = widgets.IntProgress(value=0, min=0, max=total_steps or 1, description="steps")
             self.status = widgets.HTML("waiting for the first step")
             display(widgets.VBox([self.progress, self.status]))
-            self.figure_handle = display("", display_id=True)
+            self.figure_handle = display(HTML(f"<i>the figure appears after step {redraw_every}</i>"),
+                                         display_id=True)
 
     def __call__(self, record) -> None:
         self.rows.append(step_row(record, self.global_batch, self.device))

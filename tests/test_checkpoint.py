@@ -135,8 +135,8 @@ def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
 
 
 def test_resume_auto_from_the_command_line_skips_a_corrupt_newest_checkpoint(shapes_root, tmp_path):
-    """One process, 3 steps; then the newest checkpoint is truncated and the run resumes from step 2
-    with a warning, replaying step 3 to exactly the weights the first run had."""
+    """One process, 2 steps; then the newest checkpoint is truncated and the run resumes from step 1
+    with a warning, replaying step 2 to exactly the weights the first run had."""
     val = json.loads((shapes_root / "annotations" / "instances_val2017.json").read_text())
     val["images"] = val["images"][:2]  # a short final evaluation
     (tmp_path / "val.json").write_text(json.dumps(val))
@@ -144,19 +144,19 @@ def test_resume_auto_from_the_command_line_skips_a_corrupt_newest_checkpoint(sha
            "--train-images", str(shapes_root / "train2017"), "--val-json", str(tmp_path / "val.json"),
            "--val-images", str(shapes_root / "val2017"), "--output-dir", str(tmp_path / "run"),
            "--batch-size", "2", "--min-size", "96", "--max-size", "128", "--workers", "0", "--no-progress",
-           "--max-steps", "3", "--checkpoint-every", "1", "--keep-checkpoints", "3", "--deterministic",
+           "--max-steps", "2", "--checkpoint-every", "1", "--deterministic",
            "--resume", "auto"]
-    first = subprocess.run(run, capture_output=True, text=True, timeout=240, env=subprocess_env())
+    first = subprocess.run(run, capture_output=True, text=True, timeout=300, env=subprocess_env())
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt_dir = tmp_path / "run" / "checkpoints"
     expected = ckpt.load(ckpt_dir / "last.pt")["model"]
-    newest = ckpt_dir / "step_0000003.pt"
+    newest = ckpt_dir / "step_0000002.pt"
     newest.write_bytes(newest.read_bytes()[:4096])
-    again = subprocess.run(run, capture_output=True, text=True, timeout=240, env=subprocess_env())
+    again = subprocess.run(run, capture_output=True, text=True, timeout=300, env=subprocess_env())
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"--resume auto: {newest}: cannot be loaded" in again.stderr
-    assert "resumed from" in again.stderr and "step_0000002.pt at step 2" in again.stderr
+    assert "resumed from" in again.stderr and "step_0000001.pt at step 1" in again.stderr
     resumed = ckpt.load(ckpt_dir / "last.pt")
-    assert resumed["state"]["step"] == 3
+    assert resumed["state"]["step"] == 2
     assert max(float((resumed["model"][k].double() - v.double()).abs().max()) for k, v in expected.items()
                if v.numel()) <= 1e-6
