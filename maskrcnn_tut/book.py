@@ -100,8 +100,8 @@ def hardware_summary() -> dict[str, Any]:
     show_table(rows)
     if not hw["gpus"]:
         print("No GPU: every chapter runs its CPU analogue (gloo processes instead of one process per "
-              "GPU, bfloat16 instead of float16). On a GPU machine the same cells pick the gpu-r50 "
-              "preset and use every visible GPU.")
+              "GPU, bfloat16 where the CPU has it instead of float16). On a GPU machine the same cells "
+              "pick the gpu-r50 preset and use every visible GPU.")
     return hw
 
 

@@ -258,23 +258,29 @@ def launch(fn, nprocs: int, *args, backend: str | None = None, timeout_s: float 
                 dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in finished]
                 if dead:
                     error = (f"worker {dead[0]} died with exit code {procs[dead[0]].exitcode} without reporting "
-                             "(a script that calls launch needs `if __name__ == '__main__':`; see its output above)")
+                             "(if it failed while starting: a script that calls launch needs `if __name__ == '__main__':`)")
                 continue
             show(kind, rank, payload)
             if kind == "error":
                 error = f"worker {rank} failed:\n{payload}"
+                finished.add(rank)
             elif kind == "result":
                 finished.add(rank)
                 if rank == 0:
                     result = pickle.loads(payload)
     finally:
         # let finished workers exit (reading their last lines meanwhile); stop the others now
-        grace = time.monotonic() + (5.0 if len(finished) == nprocs else 0.5)
+        grace = time.monotonic() + (5.0 if error is None and len(finished) == nprocs else 0.5)
         while time.monotonic() < grace and any(p.is_alive() for p in started):
             try:
                 show(*messages.get(timeout=0.05))
             except queue.Empty:
                 pass
+        # a worker that died silently is the cause of its peers' errors (e.g. "Connection reset by peer")
+        silent = [f"worker {r} died with exit code {p.exitcode} without reporting"
+                  for r, p in enumerate(started) if p.exitcode not in (None, 0) and r not in finished]
+        if error is not None and silent and not error.startswith(silent[0]):
+            error = "; ".join(silent) + "; then " + error
         for p in started:
             if p.is_alive():
                 p.terminate()

@@ -57,7 +57,11 @@ def _incompatible_checkpoint(path):
     return path
 
 
-def test_cli_rejects_each_bad_setting_with_one_line_and_exit_code_2(shapes_root, tmp_path):
+def test_cli_rejects_each_bad_setting_with_one_line_and_exit_code_2(shapes_root, tmp_path, capsys):
+    """`train.main` as the script runs it, in this process (cheap); the process-level exit code and
+    the absence of a traceback are checked by the two subprocess tests below."""
+    from maskrcnn_tut.train import main
+
     (tmp_path / "a_file").write_text("")
     data = ["--data-path", str(shapes_root), "--output-dir", str(tmp_path / "run"), "--no-progress"]
     cases = {  # flags -> what the single error line starts with
@@ -74,16 +78,21 @@ def test_cli_rejects_each_bad_setting_with_one_line_and_exit_code_2(shapes_root,
             f"error: --resume: {tmp_path / 'r34.pt'} does not match this run's model (backbone: "
             "checkpoint 'resnet34' vs run 'resnet18')",
     }
-    procs = {flags: subprocess.Popen([PYTHON, str(TRAIN_SCRIPT), *flags], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=subprocess_env())
-             for flags in cases}  # concurrently: each mostly waits for its imports
     for flags, expected in cases.items():
-        out, err = procs[flags].communicate(timeout=300)
+        assert main(list(flags)) == 2, flags
+        err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if line.startswith("error:")]
-        assert procs[flags].returncode == 2, (flags, err[-2000:])
         assert len(errors) == 1 and errors[0].startswith(expected), (flags, err[-2000:])
         assert "Traceback" not in err
-        assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_script_exits_2_with_one_line_and_no_traceback(shapes_root, tmp_path):
+    out = subprocess.run([PYTHON, str(TRAIN_SCRIPT), "--data-path", str(shapes_root), "--output-dir",
+                          str(tmp_path / "run"), "--accum-steps", "0"],
+                         capture_output=True, text=True, timeout=300, env=subprocess_env())
+    assert out.returncode == 2
+    assert out.stderr.strip() == "error: --accum-steps must be a positive integer, got 0"
 
 
 def test_torchrun_ranks_all_reject_a_bad_setting_and_exit(shapes_root, tmp_path):

@@ -113,7 +113,7 @@ def test_dashboard_in_a_notebook_leaves_one_static_figure(tmp_path):
               "dashboard.close()\n"
               "print(dashboard.progress.value, dashboard.status.value)")
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
-    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = notebook.cells[0].outputs
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 1
