@@ -6,10 +6,12 @@
   `torch.autograd.graph.saved_tensors_hooks`, which sees every tensor autograd keeps for the
   backward pass; they are deduplicated by storage, parameters left out.
 - `measure_growth(cfg, image_size, batch_size)`: the check. Real `engine.train_step`s on the same
-  batch in a fresh process; how far memory rises above the loaded model: the CUDA allocator's peak
-  (`torch.cuda.max_memory_allocated`) on a GPU, the peak resident set size (VmHWM) on a CPU, with
-  glibc told to return freed tensors to the OS (`MALLOC_MMAP_THRESHOLD_`) so RSS follows the live
-  tensors. A step's rise is gradients + optimizer state + activations: `MemoryBreakdown.growth_mb`.
+  batch in a fresh one-thread process; how far memory rises above the loaded model: the CUDA
+  allocator's peak (`torch.cuda.max_memory_allocated`) on a GPU, the peak resident set size
+  (VmHWM) on a CPU, with glibc told to return freed tensors to the OS (`MALLOC_MMAP_THRESHOLD_`)
+  so RSS follows the live tensors. A step's rise is gradients + optimizer state + activations,
+  `MemoryBreakdown.growth_mb` (a little less when activations dominate: backward frees them while
+  gradients appear; cpu-tiny measured +4 % at 128 px x 2, -11 % at 256 px x 4).
 - `memory_table(preset, image_sizes, batch_sizes)`: the chapter 1 table and plot, "memory by image
   size and batch" (R50-FPN up to 1024x1024 by default) against a GPU's memory. Activations are
   measured at a few sizes and fitted per image as a + b x pixels, then scaled by the batch; rows
@@ -138,21 +140,38 @@ def breakdown(cfg: Config, image_size: int, batch_size: int, device: torch.devic
                            optimizer_mb=optimizer_mb, activations_mb=activations_mb, saved_tensors=count)
 
 
-def growth_worker(cfg: Config, image_size: int, batch_size: int, steps: int) -> float:
-    """Run inside `distributed.launch`: MiB that `steps` training steps add above the loaded model."""
+def _train(cfg: Config, image_size: int, batch_size: int, steps: int, device: torch.device, baseline=None) -> float:
+    """Build the model and optimizer, call `baseline()`, train `steps` steps on one synthetic batch;
+    returns the peak memory (MiB) over the steps."""
     from .engine import TrainState, make_scaler, train_step
-    from .monitor import current_memory_mb, peak_memory_mb, reset_peak_memory
-    device = du.info().device
-    cfg = dataclasses.replace(_sized(cfg, image_size), pin_memory=False)
+    from .monitor import peak_memory_mb, reset_peak_memory
     model, optimizer = _model_and_optimizer(cfg, device)
     scaler = make_scaler(cfg, device)
     batches = itertools.repeat(synthetic_batch(image_size, batch_size))
+    if baseline is not None:
+        baseline()
     reset_peak_memory(device)
-    baseline = current_memory_mb(device)
     state, names = TrainState(), []
     for _ in range(steps):
         train_step(model, optimizer, scaler, batches, cfg, device, state, names)
-    return peak_memory_mb(device) - baseline
+    return peak_memory_mb(device)
+
+
+def growth_worker(cfg: Config, image_size: int, batch_size: int, steps: int) -> float:
+    """Run inside `distributed.launch`: MiB that `steps` training steps add above the loaded model.
+
+    One thread, and a throwaway run first, so that per-thread buffers and the first touch of
+    the library's code pages for the backward pass and the optimizer are not counted as growth.
+    """
+    from .monitor import current_memory_mb, reset_peak_memory
+    torch.set_num_threads(1)
+    device = du.info().device
+    cfg = dataclasses.replace(_sized(cfg, image_size), pin_memory=False)
+    _train(cfg, image_size, batch_size, 1, device)
+    reset_peak_memory(device)  # hands the throwaway run's memory back
+    start = {}
+    peak = _train(cfg, image_size, batch_size, steps, device, lambda: start.setdefault("mb", current_memory_mb(device)))
+    return peak - start["mb"]
 
 
 def measure_growth(cfg: Config, image_size: int, batch_size: int, steps: int = 2) -> float:

@@ -2,16 +2,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from maskrcnn_tut.config import make_config
 from maskrcnn_tut.memory import breakdown, measure_growth, memory_table
 
-TINY = dict(batch_size=2)
-
 
 def test_breakdown_sizes_each_part():
-    cfg = make_config("cpu-tiny", **TINY)
+    cfg = make_config("cpu-tiny")
     one = breakdown(cfg, 96, 1, "cpu")
     two = breakdown(cfg, 96, 2, "cpu")
     from maskrcnn_tut.model import build_model
@@ -24,7 +21,7 @@ def test_breakdown_sizes_each_part():
 
 
 def test_breakdown_agrees_with_measured_growth_on_cpu():
-    cfg = make_config("cpu-tiny", **TINY)
+    cfg = make_config("cpu-tiny")
     predicted = breakdown(cfg, 128, 2, "cpu").growth_mb
     measured = measure_growth(cfg, 128, 2)
     assert measured == pytest.approx(predicted, rel=0.25), (predicted, measured)
