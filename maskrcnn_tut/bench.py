@@ -24,10 +24,12 @@ How it measures: the real Mask R-CNN of the preset (`cpu-tiny` on CPUs, `gpu-r50
 on shapes-dataset batches through `engine.train_step`, the step `train.py` runs. Warm-up steps are
 excluded; img/s is images per step over the median step time of the slowest rank; peak memory is
 the CUDA allocator's peak per GPU, or each process's peak resident memory on CPU. Every table row
-and every sweep runs in fresh worker processes started by `distributed.launch`, with the thread
-count pinned (`torch.set_num_threads` and OMP_NUM_THREADS), so results do not depend on what the
-calling notebook did before. Results carry hardware provenance (CPU, cores, GPUs, torch / CUDA /
-cuDNN / NCCL versions, date, command) and say when a knob made no difference here, and why.
+and every sweep runs in fresh worker processes started by `distributed.launch`, each with its
+thread count set (`torch.set_num_threads`, OMP_NUM_THREADS) and, on CPUs, bound to cores of its
+own, so results do not depend on what the calling notebook did before. Results carry hardware
+provenance (CPU, cores, GPUs, torch / CUDA / cuDNN / NCCL versions, date, command) and say when a
+knob made no difference here, and why. Every public function also takes Config fields as keyword
+overrides (`table(batch_size=8)`, `sweep_amp(min_size=96)`).
 """
 from __future__ import annotations
 
@@ -268,7 +270,8 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
 
     shape: "natural" (the dataset's sizes), "fixed" (every image square at min_size: one input
     shape) or "varying" (multi-scale min sizes, `multiscale_sizes`). dataparallel: one process
-    drives every GPU through `DetectionDataParallel`, batch_size images per GPU.
+    drives every GPU through `DetectionDataParallel`, batch_size images per GPU. threads: torch's
+    CPU threads for this process (left set afterwards).
     """
     from .data.loader import build_datasets, build_train_loader
     from .dataparallel import DetectionDataParallel
@@ -335,10 +338,25 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
         peak_memory_mb=[peak for r in ranks for peak in r["peak"]])
 
 
+def pin_cores(threads: int) -> list[int] | None:
+    """Bind this process to its own `threads` cores (rank r gets the r-th slice of the usable
+    cores), so processes of one setup never share a core; None where that is not possible."""
+    info = du.info()
+    if info.device.type == "cuda" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cores[info.local_rank * threads:(info.local_rank + 1) * threads]
+    if len(cores) < info.local_world_size * threads or len(mine) < threads:
+        return None
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 def measure_worker(cfg: Config, runs: list[dict]) -> list[Measurement]:
-    """Run inside `distributed.launch`: `measure(cfg with run's overrides, **run's options)` for
-    each run in turn, returning the measurements (rank 0's are the group's)."""
+    """Run inside `distributed.launch`: pin this process to its cores, then `measure(cfg with the
+    run's overrides, **the run's options)` for each run in turn; rank 0's results are the group's."""
     options = {"steps", "warmup", "threads", "shape", "dataparallel", "max_seconds"}
+    pin_cores(runs[0].get("threads") or 1)
     results = []
     for run in runs:
         overrides = {k: v for k, v in run.items() if k not in options}
@@ -421,9 +439,10 @@ def table(preset: str | None = None, nprocs: int | None = None, steps: int = 25,
         rows.append({"setup": f"DP({n})", "processes": 1, "note": explain_unavailable(0).split(". On")[0]})
         add(f"DDP({n}) ({n} processes x {per_process} thread{'s' * (per_process > 1)})", n, per_process, None,
             n * per_process)
-        notes.append("On a CPU a device is a core: DDP runs gloo processes pinned to their share of the "
-                     "cores; the fair baseline is one process with the threads of one DDP process. Memory "
-                     "is each process's peak resident memory (model, framework and batches).")
+        notes.append("On a CPU a device is a core: DDP runs gloo processes, each bound to its own cores "
+                     "(sched_setaffinity) with that many threads; the fair baseline is one process with the "
+                     "threads of one DDP process. Memory is each process's peak resident memory (model, "
+                     "framework and batches).")
     baseline = rows[0]["img/s"]
     for row in rows:
         if row.get("img/s") is not None:
@@ -432,7 +451,7 @@ def table(preset: str | None = None, nprocs: int | None = None, steps: int = 25,
     notes.append("speedup: img/s over the first row's; scaling efficiency: speedup / devices (cores or GPUs) used.")
     command = _call("bench.table", preset=preset, nprocs=nprocs, steps=steps, warmup=warmup, data_path=data_path,
                     max_seconds=max_seconds, **overrides)
-    return BenchResult("table", "Speed table (the article's 構成方式 / img/s / VRAM / Speedup)", rows,
+    return BenchResult("table", "Speed table: one device, DataParallel and DDP", rows,
                        [c for c in TABLE_COLUMNS if any(r.get(c) is not None for r in rows)], notes,
                        provenance(command))
 
@@ -477,7 +496,8 @@ def _knob_note(rows: list[dict], knob: str, why_flat: str, key: str = "img/s") -
 
 
 def sweep_loader(preset: str | None = None, workers: tuple[int, ...] = (0, 1, 2), steps: int = 16,
-                 warmup: int = 2, data_path: str | None = None, max_seconds: float | None = None, **overrides) -> BenchResult:
+                 warmup: int = 2, data_path: str | None = None, max_seconds: float | None = None,
+                 **overrides) -> BenchResult:
     """num_workers x pin_memory x persistent_workers (epochs of a few steps, so restarts show)."""
     cfg = bench_config(preset, data_path, **overrides)
     cuda = torch.cuda.is_available()
@@ -532,7 +552,8 @@ def sweep_amp(preset: str | None = None, steps: int = 16, warmup: int = 3, data_
                         "AMX), so bf16 is emulated and many times slower than fp32 (force_bf16=True measures it)"))
     result = _sweep("amp", "Mixed precision: fp32 / fp16 / bf16", cfg, settings,
                     _call("bench.sweep_amp", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
-                          max_seconds=max_seconds, force_bf16=force_bf16 or None, **overrides), steps, warmup, max_seconds, skipped)
+                          max_seconds=max_seconds, force_bf16=force_bf16 or None, **overrides),
+                    steps, warmup, max_seconds, skipped)
     result.notes.append(_knob_note(result.rows, "amp_dtype", "this model's step is not limited by the "
                                    "precision of its math on this hardware."))
     if not cuda:
@@ -572,7 +593,8 @@ def sweep_cudnn(preset: str | None = None, steps: int = 16, warmup: int = 3, dat
 
 
 def sweep_accum(preset: str | None = None, accum_steps: tuple[int, ...] = (1, 2, 4), steps: int = 12,
-                warmup: int = 2, data_path: str | None = None, max_seconds: float | None = None, **overrides) -> BenchResult:
+                warmup: int = 2, data_path: str | None = None, max_seconds: float | None = None,
+                **overrides) -> BenchResult:
     """K micro-batches per optimizer step against one batch of the same K x B images."""
     cfg = bench_config(preset, data_path, **overrides)
     b = cfg.batch_size

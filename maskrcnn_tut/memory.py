@@ -120,7 +120,8 @@ def _activations(model, images, targets, cfg: Config, device: torch.device) -> t
     return sum(saved.values()) / MIB, len(saved)
 
 
-def breakdown(cfg: Config, image_size: int, batch_size: int, device: torch.device | str | None = None) -> MemoryBreakdown:
+def breakdown(cfg: Config, image_size: int, batch_size: int,
+              device: torch.device | str | None = None) -> MemoryBreakdown:
     """Parameters, gradients, optimizer state and activations of one training step (see module doc)."""
     from .engine import amp_dtype
     device = torch.device(device) if device is not None else du.info().device

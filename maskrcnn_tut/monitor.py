@@ -485,10 +485,10 @@ def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,
         raise ValueError("health_advice needs at least one metric row (train a few steps first)")
     report = HealthReport()
     if isinstance(gpus, GPUSampler):
-        unavailable = gpus.reason
+        unavailable = gpus.reason or "not measured (the sampler has no samples yet)"
         gpus = gpus.summary()
     else:
-        unavailable = "" if gpus else "not measured (no GPU samples given)"
+        unavailable = "not measured (no GPU samples given)"
     low, high = HEALTHY_GPU_UTIL
     if not gpus:
         report.checks.append(HealthCheck("GPU utilization", None, (
@@ -517,19 +517,20 @@ def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,
     report.checks.append(HealthCheck("data time < compute time", data < compute, message))
     peak = max(row["max_mem_mb"] for row in rows)
     if gpus:
-        used = max(g["mem_used_max_mb"] / g["mem_total_mb"] for g in gpus)
-        where = "of the fullest GPU's memory (NVML)"
+        fullest = max(gpus, key=lambda g: g["mem_used_max_mb"] / g["mem_total_mb"])
+        used = fullest["mem_used_max_mb"] / fullest["mem_total_mb"]
+        seen = f"GPU {fullest['gpu']} held up to {fullest['mem_used_max_mb']:.0f} of {fullest['mem_total_mb']:.0f} MiB"
     else:
         total = total_memory_mb or device_memory_mb(du.info().device)
         used = peak / total if total else None
-        where = f"of {total:.0f} MiB" if total else ""
+        seen = f"peak {peak:.0f} of {total:.0f} MiB" if total else f"peak {peak:.0f} MiB"
     if used is None:
-        report.checks.append(HealthCheck("memory < 90 %", None, f"peak {peak:.0f} MiB; the device's total is unknown."))
+        report.checks.append(HealthCheck("memory < 90 %", None, f"{seen}; the device's total is unknown."))
     elif used < MAX_MEMORY_FRACTION:
-        report.checks.append(HealthCheck("memory < 90 %", True, f"peak {peak:.0f} MiB, {used:.0%} {where}: room to spare."))
+        report.checks.append(HealthCheck("memory < 90 %", True, f"{seen} ({used:.0%}): room to spare."))
     else:
         report.checks.append(HealthCheck("memory < 90 %", False, (
-            f"peak {peak:.0f} MiB, {used:.0%} {where}: a slightly larger image or batch will run out "
-            "of memory. Lower --batch-size and add --accum-steps, enable --amp, or lower --max-size.")))
+            f"{seen} ({used:.0%}): a slightly larger image or batch will run out of memory. Lower "
+            "--batch-size and add --accum-steps, enable --amp, or lower --max-size.")))
     return report
 

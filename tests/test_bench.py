@@ -21,9 +21,10 @@ TINY = dict(min_size=64, max_size=96, batch_size=2)
 def test_measure_times_the_training_step_after_warmup():
     seen = []
     cfg = bench.bench_config("cpu-tiny", **TINY)
-    measured = bench.measure(cfg, steps=3, warmup=1, threads=1, shape="fixed", callbacks=[seen.append])
+    measured = bench.measure(cfg, steps=3, warmup=1, shape="fixed", callbacks=[seen.append])
     assert [r.step for r in seen] == [2, 3, 4]  # warm-up step 1 excluded
-    assert len(measured.iter_times) == 3 and measured.images_per_step == 2 and measured.threads == 1
+    assert len(measured.iter_times) == 3 and measured.images_per_step == 2
+    assert measured.processes == 1 and measured.threads == torch.get_num_threads()
     row = measured.row()
     assert row["img/s"] == pytest.approx(2 / sorted(measured.iter_times)[1])
     assert row["peak MiB/device"] > 100 and row["data ms"] < row["compute ms"]
