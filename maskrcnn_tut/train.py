@@ -24,7 +24,7 @@ from maskrcnn_tut.engine import (NonFiniteLossError, TrainState, autocast, build
                                  make_scaler, train)
 from maskrcnn_tut.evaluate import coco_from_dict, evaluate
 from maskrcnn_tut.model import build_model
-from maskrcnn_tut.monitor import MetricsLogger
+from maskrcnn_tut.monitor import MetricsLogger, StragglerCheck
 
 log = logging.getLogger("maskrcnn_tut")
 
@@ -161,7 +161,7 @@ def run(cfg: Config) -> dict:
     start_step = state.step
     try:
         train(model, optimizer, scheduler, scaler, train_loader, cfg, device, state, total_steps,
-              callbacks=[logger, after_step])
+              callbacks=[logger, StragglerCheck(every=cfg.print_freq), after_step])
     finally:
         logger.close()
     train_time = time.perf_counter() - started
