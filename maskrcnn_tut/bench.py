@@ -57,6 +57,10 @@ from .data.shapes import ensure_shapes_dataset
 
 #: The benchmark's dataset: small so an epoch is a few steps (the loader sweep crosses epochs).
 BENCH_SHAPES = {"n_train": 32, "n_val": 8, "seed": 0}
+#: Images per process in the CPU speed table. A gloo process with one core cannot overlap its
+#: all-reduce and waits with compute: about 0.2 s per step here, 1.6x at the preset's 4 images and
+#: 1.9x at 8 (chapter 9 measures the effect). The GPU table keeps the preset's batch.
+CPU_TABLE_BATCH = 8
 #: A knob whose settings differ by less than this (relative img/s) made no measurable difference.
 NO_DIFFERENCE = 0.05
 GPU_SUITE_SIZE = 800
@@ -263,7 +267,7 @@ def _square_batches(batches: Iterator, size: int) -> Iterator:
 
 
 def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | None = None, shape: str = "natural",
-            dataparallel: bool = False, max_seconds: float | None = None,
+            dataparallel: bool = False, sync_gradients: bool = True, max_seconds: float | None = None,
             callbacks: list[Callable] = ()) -> Measurement:
     """Train `warmup + steps` steps of the config's model in this process (or the group it joined)
     and time the last `steps` (with `max_seconds`, as many as the warm-up's pace fits, at least 3).
@@ -271,7 +275,8 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
     shape: "natural" (the dataset's sizes), "fixed" (every image square at min_size: one input
     shape) or "varying" (multi-scale min sizes, `multiscale_sizes`). dataparallel: one process
     drives every GPU through `DetectionDataParallel`, batch_size images per GPU. threads: torch's
-    CPU threads for this process (left set afterwards).
+    CPU threads for this process (left set afterwards). sync_gradients=False: processes of a group
+    train without DDP (no gradient all-reduce), which isolates what the all-reduce costs.
     """
     from .data.loader import build_datasets, build_train_loader
     from .dataparallel import DetectionDataParallel
@@ -300,7 +305,10 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
         model.transform.max_size = round(cfg.max_size * 1.25)
     model = model.to(device)
     du.seed_everything(cfg.seed + info.rank)
-    model = DetectionDataParallel(model) if dataparallel else du.wrap_ddp(model, cfg, info)
+    if dataparallel:
+        model = DetectionDataParallel(model)
+    elif sync_gradients:
+        model = du.wrap_ddp(model, cfg, info)
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.warmup_steps, 10**6))
     scaler = make_scaler(cfg, device)
@@ -355,7 +363,7 @@ def pin_cores(threads: int) -> list[int] | None:
 def measure_worker(cfg: Config, runs: list[dict]) -> list[Measurement]:
     """Run inside `distributed.launch`: pin this process to its cores, then `measure(cfg with the
     run's overrides, **the run's options)` for each run in turn; rank 0's results are the group's."""
-    options = {"steps", "warmup", "threads", "shape", "dataparallel", "max_seconds"}
+    options = {"steps", "warmup", "threads", "shape", "dataparallel", "sync_gradients", "max_seconds"}
     pin_cores(runs[0].get("threads") or 1)
     results = []
     for run in runs:
@@ -395,13 +403,15 @@ TABLE_COLUMNS = ["setup", "processes", "threads/process", "GPUs", "img/s", "peak
                  "speedup", "scaling efficiency", "note"]
 
 
-def table(preset: str | None = None, nprocs: int | None = None, steps: int = 25, warmup: int = 5,
+def table(preset: str | None = None, nprocs: int | None = None, steps: int = 16, warmup: int = 3,
           data_path: str | None = None, max_seconds: float | None = None, **overrides) -> BenchResult:
     """The article's speed table for this machine (rows: module docstring); `overrides` are Config
-    fields (e.g. batch_size=2, min_size=96)."""
+    fields (e.g. batch_size=2, min_size=96). On CPUs the batch defaults to `CPU_TABLE_BATCH`."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus and overrides.get("batch_size") is None:
+        overrides["batch_size"] = CPU_TABLE_BATCH
     cfg = bench_config(preset, data_path, **overrides)
     run = {"steps": steps, "warmup": warmup, "max_seconds": max_seconds}
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rows: list[dict] = []
 
     def add(setup: str, nprocs_: int, threads: int | None, n_gpus: int | None, units: int,
@@ -439,10 +449,19 @@ def table(preset: str | None = None, nprocs: int | None = None, steps: int = 25,
         rows.append({"setup": f"DP({n})", "processes": 1, "note": explain_unavailable(0).split(". On")[0]})
         add(f"DDP({n}) ({n} processes x {per_process} thread{'s' * (per_process > 1)})", n, per_process, None,
             n * per_process)
+        add(f"{n} processes without gradient all-reduce", n, per_process, None, n * per_process,
+            {"sync_gradients": False}, note="the ceiling DDP could reach here: same cores and data, no all-reduce")
         notes.append("On a CPU a device is a core: DDP runs gloo processes, each bound to its own cores "
                      "(sched_setaffinity) with that many threads; the fair baseline is one process with the "
                      "threads of one DDP process. Memory is each process's peak resident memory (model, "
                      "framework and batches).")
+        notes.append("The last row trains the same processes without DDP: the gap to it is what the gradient "
+                     "all-reduce costs; its own gap to N x the baseline is the hardware's (cores sharing cache "
+                     "and memory bandwidth) and the wait for the slower process at each step.")
+        if cfg.batch_size == CPU_TABLE_BATCH:
+            notes.append(f"Batch {CPU_TABLE_BATCH} per process: a one-core process cannot hide gloo's all-reduce "
+                         "behind backward, so a fixed cost per step is amortized over more images "
+                         "(`--batch-size 4` shows the preset's batch; chapter 9 measures the effect).")
     baseline = rows[0]["img/s"]
     for row in rows:
         if row.get("img/s") is not None:

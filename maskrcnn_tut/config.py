@@ -109,6 +109,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Learns from scratch on the shapes dataset on 2 CPU cores in about 12 minutes: ResNet-18 with
     # trainable BatchNorm, a 64-channel normalized FPN with thin heads and 16-256 px anchors at
     # 128 px, light RPN/RoI sampling, AdamW 2e-3 for a global batch of 8 (2 processes x 4).
+    # 100 MB buckets: a process with one core cannot overlap gloo's all-reduce with backward, so
+    # fewer, larger all-reduces are faster (measured 6.0 against 5.6 img/s with 25 MB, 2 processes).
     "cpu-tiny": dict(
         backbone="resnet18", norm="bn", min_size=128, max_size=192,
         fpn_channels=64, mask_head_layers=2, mask_head_channels=64, box_head_dim=256,
@@ -116,7 +118,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         rpn_pre_nms_top_n=200, rpn_post_nms_top_n=100,
         rpn_batch_size_per_image=64, box_batch_size_per_image=64,
         batch_size=4, max_steps=450, optimizer="adamw", lr=2e-3, weight_decay=1e-4,
-        warmup_steps=50, workers=1,
+        warmup_steps=50, workers=1, bucket_cap_mb=100.0,
     ),
     # The usual Mask R-CNN R50-FPN recipe (torchvision's reference sizes and sampling).
     "gpu-r50": dict(
