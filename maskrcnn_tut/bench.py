@@ -482,12 +482,17 @@ SWEEP_COLUMNS = ["setting", "img/s", "img/s all steps", "data ms", "compute ms",
 
 
 def _sweep(name: str, title: str, cfg: Config, settings: list[tuple[str, dict]], command: str,
-           steps: int, warmup: int, max_seconds: float | None, skipped: list[tuple[str, str]] = ()) -> BenchResult:
-    """Measure each (label, knobs) setting in turn in one fresh worker process; `skipped` rows say
-    why a setting was not run. Each row keeps its `knobs` for `_knob_note`."""
+           steps: int, warmup: int, max_seconds: float | None, skipped: list[tuple[str, str]] = (),
+           process_per_setting: bool = False) -> BenchResult:
+    """Measure each (label, knobs) setting in turn in one fresh worker process (or, where peak memory
+    is the point, a fresh process per setting, so no setting inherits another's high-water mark);
+    `skipped` rows say why a setting was not run. Each row keeps its `knobs` for `_knob_note`."""
     runs = [{**knobs, "steps": knobs.get("steps", steps), "warmup": warmup, "max_seconds": max_seconds}
             for _, knobs in settings]
-    measurements = _launch_measure(cfg, 1, runs) if runs else []
+    if process_per_setting:
+        measurements = [_launch_measure(cfg, 1, [run])[0] for run in runs]
+    else:
+        measurements = _launch_measure(cfg, 1, runs) if runs else []
     rows = []
     for (label, knobs), measurement in zip(settings, measurements):
         rows.append({"setting": label, **measurement.row(), "note": "", "knobs": knobs})
@@ -496,12 +501,14 @@ def _sweep(name: str, title: str, cfg: Config, settings: list[tuple[str, dict]],
     return BenchResult(name, title, rows, SWEEP_COLUMNS, [], provenance(command))
 
 
-def _knob_note(rows: list[dict], knob: str, why_flat: str, key: str = "img/s") -> str:
-    """How much `knob` changed `key` between rows that differ in nothing else; says why when it did not."""
+def _knob_note(rows: list[dict], knob: str, why_flat: str, key: str = "img/s", moves_with: tuple[str, ...] = ()) -> str:
+    """How much `knob` changed `key` between rows that differ in nothing else (but the step count and
+    the knobs that `moves_with` it); says why when it did not."""
+    ignored = {knob, "steps", *moves_with}
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         if row.get(key) is not None and knob in row.get("knobs", {}):
-            others = tuple(sorted((k, str(v)) for k, v in row["knobs"].items() if k != knob))
+            others = tuple(sorted((k, str(v)) for k, v in row["knobs"].items() if k not in ignored))
             groups.setdefault(others, []).append(row)
     spreads = [(max(r[key] for r in group) / min(r[key] for r in group) - 1, group)
                for group in groups.values() if len({str(r["knobs"][knob]) for r in group}) > 1]
@@ -511,7 +518,7 @@ def _knob_note(rows: list[dict], knob: str, why_flat: str, key: str = "img/s") -
     if spread < NO_DIFFERENCE:
         return f"{knob} made no measurable difference to {key} here (at most {spread:.1%} apart): {why_flat}"
     best = max(group, key=lambda r: r[key]) if key.startswith("img/s") else min(group, key=lambda r: r[key])
-    return f"{knob}: up to {spread:.0%} difference in {key}; best: {best['setting']}."
+    return f"{knob}: up to {spread:.0%} difference in {key} with the other knobs fixed; best of those: {best['setting']}."
 
 
 def sweep_loader(preset: str | None = None, workers: tuple[int, ...] = (0, 1, 2), steps: int = 16,
@@ -626,17 +633,17 @@ def sweep_accum(preset: str | None = None, accum_steps: tuple[int, ...] = (1, 2,
                              {"accum_steps": 1, "batch_size": b * k, "steps": max(4, steps // k)}))
     result = _sweep("accum", "Gradient accumulation: throughput and memory", cfg, settings,
                     _call("bench.sweep_accum", preset=preset, accum_steps=accum_steps, steps=steps, warmup=warmup,
-                          data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
-    accumulated = [r for r in result.rows if r["knobs"]["batch_size"] == b]
-    single = [r for r in result.rows if r["knobs"]["accum_steps"] == 1]
-    result.notes = [
-        "Accumulation holds one micro-batch's activations whatever K is; the same images in one batch "
-        "hold all of theirs at once.",
-        _knob_note(accumulated, "accum_steps", "memory stays at one micro-batch's.", key="peak MiB/device"),
-        _knob_note(accumulated, "accum_steps", "each micro-step does the same work and only the optimizer "
-                   "step is shared, so throughput stays."),
-        _knob_note(single, "batch_size", "the batch is too small to change memory here.", key="peak MiB/device"),
-    ]
+                          data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds,
+                    process_per_setting=True)
+    by_knobs = {(r["knobs"]["batch_size"], r["knobs"]["accum_steps"]): r for r in result.rows}
+    result.notes = ["Accumulation holds one micro-batch's activations whatever K is; the same images in one "
+                    "batch hold all of theirs at once. Each setting ran in a fresh process."]
+    for k in (k for k in accum_steps if k > 1):
+        acc, one = by_knobs[(b, k)], by_knobs[(b * k, 1)]
+        result.notes.append(
+            f"{b * k} images per step: {k} micro-batches of {b} peaked at {acc['peak MiB/device']} MiB against "
+            f"{one['peak MiB/device']} MiB in one batch ({1 - acc['peak MiB/device'] / one['peak MiB/device']:.0%} "
+            f"less), at {acc['img/s'] / one['img/s']:.2f}x its img/s.")
     return result
 
 
@@ -648,10 +655,12 @@ def sweep_size(preset: str | None = None, sizes: tuple[int, ...] | None = None, 
     settings = [(f"{s} px", {"min_size": s, "max_size": s, "shape": "fixed"}) for s in sizes]
     result = _sweep("size", "Image size against memory and throughput", cfg, settings,
                     _call("bench.sweep_size", preset=preset, sizes=sizes, steps=steps, warmup=warmup,
-                          data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
+                          data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds,
+                    process_per_setting=True)
     result.notes = ["Every image resized to size x size: pixels, compute and activation memory grow with the "
                     "square of the size (memory.memory_table breaks the memory down).",
-                    _knob_note(result.rows, "min_size", "", key="peak MiB/device")]
+                    _knob_note(result.rows, "min_size", "", key="peak MiB/device", moves_with=("max_size",)),
+                    _knob_note(result.rows, "min_size", "", moves_with=("max_size",))]
     return result
 
 

@@ -19,8 +19,8 @@ shown in the book.
 - `beside_article`, `plot_beside_article`: the article's speed table (quoted) beside this machine's.
 - `fits_table`: which batch fits on an 11, 24 or 80 GB card, from `memory.memory_table` (chapter 1).
 - `setting_explorer`: an ipywidgets control that reruns one measurement, with a static picture.
-- `python -m maskrcnn_tut.book book/*.ipynb`: strip outputs before committing, keeping the
-  reference outputs of `# NBVAL_CHECK_OUTPUT` cells that nbval compares against.
+- `python -m maskrcnn_tut.book [--execute] book/*.ipynb`: (run and) strip chapters before committing,
+  keeping the reference outputs of `# NBVAL_CHECK_OUTPUT` cells that nbval compares against.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import inspect
 import os
 import platform
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -99,9 +100,9 @@ def hardware_summary() -> dict[str, Any]:
                                            f"batch {cfg.batch_size} per process"}]
     show_table(rows)
     if not hw["gpus"]:
-        print("No GPU: every chapter runs its CPU analogue (gloo processes instead of one process per "
-              "GPU, bfloat16 where the CPU has it instead of float16). On a GPU machine the same cells "
-              "pick the gpu-r50 preset and use every visible GPU.")
+        print(textwrap.fill("No GPU: every chapter runs its CPU analogue (gloo processes instead of one "
+                            "process per GPU, bfloat16 where the CPU has it instead of float16). On a GPU "
+                            "machine the same cells pick the gpu-r50 preset and use every visible GPU.", 100))
     return hw
 
 
@@ -547,16 +548,27 @@ def gradient_noise(cfg: Config, batch_sizes: Sequence[int], images_per_size: int
 # --------------------------------------------------------------------------- committing notebooks
 
 
+def execute_notebook(path: Path | str, timeout: int = 600) -> None:
+    """Run a chapter in place, in its own folder (as `jupyter-book build` and nbval do)."""
+    import nbformat
+    from nbclient import NotebookClient
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(Path(path).resolve().parent)}}).execute()
+    nbformat.write(nb, path)
+
+
 def strip_outputs(path: Path | str) -> None:
     """Clear a notebook's outputs except those of `# NBVAL_CHECK_OUTPUT` cells (nbval's reference)."""
     import nbformat
     nb = nbformat.read(path, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        cell.execution_count = None
+    code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
+    for number, cell in enumerate(code_cells, 1):
         cell.metadata.pop("execution", None)
-        if not cell.source.lstrip().startswith(CHECK_MARK):
+        checked = cell.source.lstrip().startswith(CHECK_MARK) and cell.outputs
+        # nbval compares a cell's outputs only if the stored cell counts as run
+        cell.execution_count = number if checked else None
+        if not checked:
             cell.outputs = []
         for output in cell.outputs:
             output.pop("execution_count", None)
@@ -564,7 +576,23 @@ def strip_outputs(path: Path | str) -> None:
     nbformat.write(nb, path)
 
 
-if __name__ == "__main__":
-    for notebook in sys.argv[1:]:
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(
+        prog="python -m maskrcnn_tut.book",
+        description="Prepare chapters for committing: outputs cleared except the reference outputs of "
+                    "'# NBVAL_CHECK_OUTPUT' cells, which nbval compares against.")
+    parser.add_argument("notebooks", nargs="+", help="chapter notebooks, e.g. book/07_gradient_accumulation.ipynb")
+    parser.add_argument("--execute", action="store_true",
+                        help="run each chapter first, refreshing the reference outputs")
+    args = parser.parse_args(argv)
+    for notebook in args.notebooks:
+        if args.execute:
+            execute_notebook(notebook)
         strip_outputs(notebook)
-        print(f"stripped {notebook}")
+        print(f"{'executed and ' if args.execute else ''}stripped {notebook}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,11 +42,13 @@ def test_table_from_the_shell_writes_json_with_provenance(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = bench.BenchResult.load(out)
     setups = [row["setup"] for row in result.rows]
-    assert setups[0].startswith("Single (1 process x 1 thread)") and setups[-1].startswith("DDP(2)")
+    assert setups[0].startswith("Single (1 process x 1 thread)") and setups[-1] == "2 processes without gradient all-reduce"
     assert any(s.startswith("DP(2)") for s in setups)
     dp_row = next(row for row in result.rows if row["setup"].startswith("DP(2)"))
     assert "needs >= 2 GPUs" in dp_row["note"] and dp_row.get("img/s") is None
-    first, ddp = result.rows[0], result.rows[-1]
+    first = result.rows[0]
+    ddp = next(row for row in result.rows if row["setup"].startswith("DDP(2)"))
+    assert result.rows[-1]["img/s"] > 0 and "ceiling" in result.rows[-1]["note"]
     assert first["speedup"] == 1.0 and ddp["processes"] == 2 and ddp["threads/process"] == 1
     assert ddp["speedup"] == pytest.approx(ddp["img/s"] / first["img/s"])
     assert ddp["scaling efficiency"] == pytest.approx(ddp["speedup"] / 2)
@@ -62,7 +64,7 @@ def test_sweep_reports_each_setting_and_what_made_no_difference():
     assert [row["setting"] for row in result.rows] == [
         "batch 2 x accum 1 (2 images/step)", "batch 2 x accum 2 (4 images/step)", "batch 4 x accum 1 (4 images/step)"]
     assert all(row["img/s"] > 0 and row["peak MiB/device"] > 0 for row in result.rows)
-    assert any(note.startswith("accum_steps") for note in result.notes)
+    assert any(note.startswith("4 images per step: 2 micro-batches of 2 peaked at") for note in result.notes)
     assert json.loads(json.dumps(result.to_dict()))["rows"][0]["knobs"]["accum_steps"] == 1
 
 
@@ -71,7 +73,11 @@ def test_knob_note_compares_rows_that_differ_only_in_that_knob():
             for w, p, speed in [(0, False, 10.0), (1, False, 10.2), (1, True, 13.0)]]
     assert "no measurable difference" in bench._knob_note(rows[:2], "workers", "the loader keeps up.")
     note = bench._knob_note(rows, "persistent", "")
-    assert "27%" in note and "best: w1 pTrue" in note
+    assert "27%" in note and "best of those: w1 pTrue" in note
+    sized = [{"setting": f"{size} px", "img/s": 100.0 / size, "knobs": {"min_size": size, "max_size": size, "steps": steps}}
+             for size, steps in [(64, 8), (128, 4)]]
+    assert "fewer than two" in bench._knob_note(sized, "min_size", "")
+    assert "100% difference" in bench._knob_note(sized, "min_size", "", moves_with=("max_size",))
     assert "fewer than two" in bench._knob_note(rows[:1], "workers", "")
 
 
