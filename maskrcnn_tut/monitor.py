@@ -470,8 +470,8 @@ class HealthReport:
         return "\n".join(f"{marks[c.ok]} {c.name}: {c.message}" for c in self.checks)
 
     def _repr_markdown_(self) -> str:
-        marks = {True: "✅", False: "⚠️", None: "➖"}
-        return "\n".join(f"- {marks[c.ok]} **{c.name}**: {c.message}" for c in self.checks)
+        marks = {True: "**ok**", False: "**fix**", None: "n/a"}
+        return "\n".join(f"- {marks[c.ok]} {c.name}: {c.message}" for c in self.checks)
 
 
 def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,
