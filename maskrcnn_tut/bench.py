@@ -57,9 +57,10 @@ from .data.shapes import ensure_shapes_dataset
 
 #: The benchmark's dataset: small so an epoch is a few steps (the loader sweep crosses epochs).
 BENCH_SHAPES = {"n_train": 32, "n_val": 8, "seed": 0}
-#: Images per process in the CPU speed table. A gloo process with one core cannot overlap its
-#: all-reduce and waits with compute: about 0.2 s per step here, 1.6x at the preset's 4 images and
-#: 1.9x at 8 (chapter 9 measures the effect). The GPU table keeps the preset's batch.
+#: Images per process in the CPU speed table. A step's fixed costs (the all-reduce, which a one-core
+#: gloo process cannot hide behind backward, and the wait for the slower rank) weigh less on more
+#: images: DDP(2) measured 1.61-1.66x at the preset's 4 images, 1.74-1.87x at 8 on the 2-core
+#: development machine. The GPU table keeps the preset's batch.
 CPU_TABLE_BATCH = 8
 #: A knob whose settings differ by less than this (relative img/s) made no measurable difference.
 NO_DIFFERENCE = 0.05
@@ -459,8 +460,9 @@ def table(preset: str | None = None, nprocs: int | None = None, steps: int = 16,
                      "all-reduce costs; its own gap to N x the baseline is the hardware's (cores sharing cache "
                      "and memory bandwidth) and the wait for the slower process at each step.")
         if cfg.batch_size == CPU_TABLE_BATCH:
-            notes.append(f"Batch {CPU_TABLE_BATCH} per process: a one-core process cannot hide gloo's all-reduce "
-                         "behind backward, so a fixed cost per step is amortized over more images "
+            notes.append(f"Batch {CPU_TABLE_BATCH} per process: a step's fixed costs (the all-reduce, which a "
+                         "one-core process cannot hide behind backward, and the wait for the slower rank) are "
+                         "spread over more images "
                          "(`--batch-size 4` shows the preset's batch; chapter 9 measures the effect).")
     baseline = rows[0]["img/s"]
     for row in rows:

@@ -141,21 +141,20 @@ def breakdown(cfg: Config, image_size: int, batch_size: int,
                            optimizer_mb=optimizer_mb, activations_mb=activations_mb, saved_tensors=count)
 
 
-def _train(cfg: Config, image_size: int, batch_size: int, steps: int, device: torch.device, baseline=None) -> float:
-    """Build the model and optimizer, call `baseline()`, train `steps` steps on one synthetic batch;
-    returns the peak memory (MiB) over the steps."""
+def _train(cfg: Config, image_size: int, batch_size: int, steps: int, device: torch.device) -> tuple[float, float]:
+    """Build the model and optimizer, train `steps` steps on one synthetic batch; returns the memory
+    in use once the model is loaded and the peak over the steps (MiB)."""
     from .engine import TrainState, make_scaler, train_step
-    from .monitor import peak_memory_mb, reset_peak_memory
+    from .monitor import current_memory_mb, peak_memory_mb, reset_peak_memory
     model, optimizer = _model_and_optimizer(cfg, device)
     scaler = make_scaler(cfg, device)
     batches = itertools.repeat(synthetic_batch(image_size, batch_size))
-    if baseline is not None:
-        baseline()
+    loaded = current_memory_mb(device)
     reset_peak_memory(device)
     state, names = TrainState(), []
     for _ in range(steps):
         train_step(model, optimizer, scaler, batches, cfg, device, state, names)
-    return peak_memory_mb(device)
+    return loaded, peak_memory_mb(device)
 
 
 def growth_worker(cfg: Config, image_size: int, batch_size: int, steps: int) -> float:
@@ -164,15 +163,14 @@ def growth_worker(cfg: Config, image_size: int, batch_size: int, steps: int) -> 
     One thread, and a throwaway run first, so that per-thread buffers and the first touch of
     the library's code pages for the backward pass and the optimizer are not counted as growth.
     """
-    from .monitor import current_memory_mb, reset_peak_memory
+    from .monitor import reset_peak_memory
     torch.set_num_threads(1)
     device = du.info().device
     cfg = dataclasses.replace(_sized(cfg, image_size), pin_memory=False)
     _train(cfg, image_size, batch_size, 1, device)
     reset_peak_memory(device)  # hands the throwaway run's memory back
-    start = {}
-    peak = _train(cfg, image_size, batch_size, steps, device, lambda: start.setdefault("mb", current_memory_mb(device)))
-    return peak - start["mb"]
+    loaded, peak = _train(cfg, image_size, batch_size, steps, device)
+    return peak - loaded
 
 
 def measure_growth(cfg: Config, image_size: int, batch_size: int, steps: int = 2) -> float:
