@@ -9,6 +9,8 @@ removes). `last.pt` is a hard link to the newest numbered checkpoint. Loading us
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import random
@@ -19,6 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .config import Config
+from .engine import TrainState
+from .errors import CheckpointError
+from .model import build_model
+
 log = logging.getLogger(__name__)
 
 #: Settings that change the model's shapes or meaning: a checkpoint must agree on all of them.
@@ -26,10 +33,6 @@ MODEL_KEYS = ("backbone", "norm", "sync_bn", "fpn_channels", "mask_head_layers",
               "box_head_dim", "anchor_sizes", "num_classes", "class_names")
 _NUMBERED = re.compile(r"^step_(\d+)\.pt$")
 _TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and why."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -55,9 +58,9 @@ def atomic_save(obj, path: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot be written ({err.strerror or err}); "
-                              "the previous checkpoint is untouched") from None
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0][:200]
+        raise CheckpointError(f"{path}: cannot be written ({reason}); the previous checkpoint is untouched") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -73,22 +76,26 @@ def remove_stale_temporaries(ckpt_dir: Path) -> list[Path]:
     return removed
 
 
-def rng_state() -> dict:
-    """This process's random generators (Python, NumPy, torch CPU and CUDA) as plain tensors."""
+def rng_state(device: torch.device) -> dict:
+    """This process's random generators (Python, NumPy, torch CPU, and its own GPU's) as plain tensors.
+
+    Only this process's GPU: a checkpoint then restores on any GPU count (rank r gets rank r's state).
+    """
     np_state = np.random.get_state()
     state = {"python": random.getstate(), "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
              "numpy_pos": int(np_state[2]), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if device.type == "cuda" and isinstance(cuda, torch.Tensor) and cuda.dtype == torch.uint8:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def save(ckpt_dir: Path, payload: dict, step: int, keep: int) -> Path:
@@ -142,14 +149,61 @@ def newest_loadable(ckpt_dir: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def check_compatible(saved_cfg: dict, cfg: dict, path: Path) -> None:
-    """Refuse a checkpoint whose model settings differ from this run's, saying what differs."""
-    diffs = [f"{k}: checkpoint {saved_cfg.get(k)!r} vs run {cfg.get(k)!r}"
-             for k in MODEL_KEYS if saved_cfg.get(k) != cfg.get(k)]
+def find_resume(resume: str | None, ckpt_dir: Path) -> tuple[Path, dict] | None:
+    """What `--resume` names: None (start fresh), 'auto' (the newest good checkpoint, if any) or a path."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = newest_loadable(ckpt_dir)
+        if found is None:
+            log.info("--resume auto: no checkpoint in %s, starting fresh", ckpt_dir)
+        return found
+    return Path(resume), load(Path(resume))
+
+
+def check_compatible(payload: dict, cfg: dict, path: Path) -> None:
+    """Refuse a checkpoint whose model or optimizer differs from this run's, saying what differs."""
+    saved = payload.get("config")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"--resume: {path} has no config, so nothing says which model it holds; "
+                              "use a checkpoint written by train.py (or --weights for a bare state dict)")
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs run {cfg.get(k)!r}"
+             for k in MODEL_KEYS if saved.get(k) != cfg.get(k)]
     if diffs:
         raise CheckpointError(f"--resume: {path} does not match this run's model ({'; '.join(diffs)}); "
                               "resume with the settings and data it was trained with, or start fresh "
                               "in another --output-dir")
+    if not cfg.get("test_only") and saved.get("optimizer") != cfg.get("optimizer"):
+        raise CheckpointError(f"--resume: {path} was trained with --optimizer {saved.get('optimizer')}, this run "
+                              f"asks for {cfg.get('optimizer')}; its optimizer state cannot carry over (resume "
+                              f"with --optimizer {saved.get('optimizer')}, or start from it with --weights)")
+
+
+def restore_training(payload: dict, optimizer, scheduler, scaler, info) -> TrainState:
+    """Optimizer, schedule, GradScaler, position and this rank's RNG streams from a checkpoint."""
+    optimizer.load_state_dict(payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+    if scaler.is_enabled() and not payload["scaler"]:
+        log.warning("resuming a run without fp16 GradScaler state with fp16 autocast: the scaler starts afresh")
+    else:
+        scaler.load_state_dict(payload["scaler"])
+    rngs = payload["rng"]
+    if len(rngs) == info.world_size:
+        set_rng_state(rngs[info.rank], info.device)
+    elif info.is_main:
+        log.warning("resuming on %d processes from a %d-process checkpoint: RNG streams reseeded",
+                    info.world_size, len(rngs))
+    return TrainState(**payload["state"])
+
+
+def model_from_run(output_dir: Path | str):
+    """The model a `train.py` run saved: its config.json rebuilt, its last checkpoint loaded, in eval mode."""
+    out = Path(output_dir)
+    saved = json.loads((out / "config.json").read_text())
+    cfg = Config(**{f.name: saved[f.name] for f in dataclasses.fields(Config) if f.name in saved})
+    model = build_model(dataclasses.replace(cfg, weights=None), saved["num_classes"])
+    model.load_state_dict(load(out / "checkpoints" / "last.pt")["model"])
+    return model.eval()
 
 
 def set_aside_old_run(ckpt_dir: Path) -> Path | None:

@@ -6,8 +6,8 @@ settings before any heavy work with a `ConfigError` whose message names the flag
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,13 +15,11 @@ from typing import Any
 
 import torch
 
+from .errors import ConfigError
+
 #: The global batch the presets' learning rates are tuned for; `--lr` is scaled by
 #: global_batch / REFERENCE_BATCH (the linear scaling rule of Goyal et al., 2017).
 REFERENCE_BATCH = 8
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message names the flag and what is allowed."""
 
 
 @dataclass
@@ -95,11 +93,12 @@ class Config:
     keep_checkpoints: int = 2
     skip_nonfinite: int = 0
     progress: bool = True
-    # resolved at start-up (not flags)
+    # resolved by `derive` for the processes of a run (not flags)
     world_size: int = 1
     global_batch_size: int = 0
     base_lr: float = 0.0
     device: str = "cpu"
+    precision: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -168,7 +167,33 @@ def make_config(preset: str | None = None, **overrides: Any) -> Config:
     return resolve(cfg, explicit=set(overrides))
 
 
-def _flag(name: str) -> str:
+def precision(cfg: Config, device_type: str) -> str:
+    """The one precision decision: "float32" unless `--amp`; then `--amp-dtype`, else float16 on
+    CUDA (with GradScaler) and bfloat16 on CPU."""
+    if not cfg.amp:
+        return "float32"
+    return cfg.amp_dtype or ("float16" if device_type == "cuda" else "bfloat16")
+
+
+def derive(cfg: Config, world_size: int, device: torch.device | str) -> Config:
+    """The settings that depend on the run's processes, resolved once (pure: a new Config).
+
+    Global batch = batch_size x accum_steps x world_size; lr = the flag's lr (tuned for a global
+    batch of REFERENCE_BATCH) scaled linearly to it; pin_memory on with CUDA unless set; the
+    autocast precision. `train.py` and the benchmark harness both call this.
+    """
+    device = torch.device(device)
+    base_lr = cfg.base_lr or cfg.lr
+    global_batch = cfg.batch_size * cfg.accum_steps * world_size
+    return dataclasses.replace(
+        cfg, world_size=world_size, device=str(device), global_batch_size=global_batch, base_lr=base_lr,
+        lr=base_lr * global_batch / REFERENCE_BATCH,
+        pin_memory=device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory,
+        precision=precision(cfg, device.type))
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of a Config field: batch_size -> --batch-size."""
     return "--" + name.replace("_", "-")
 
 
@@ -182,13 +207,22 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
                 "mask_head_channels", "box_head_dim"]
     for name in positive:
         if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{_flag(name)} must be a positive integer, got {getattr(cfg, name)}")
+            raise ConfigError(f"{flag_name(name)} must be a positive integer, got {getattr(cfg, name)}")
     for name in ("max_steps", "eval_every"):
         value = getattr(cfg, name)
         if value is not None and value <= 0:
-            raise ConfigError(f"{_flag(name)} must be a positive integer, got {value}")
-    if cfg.lr <= 0:
-        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+            raise ConfigError(f"{flag_name(name)} must be a positive integer, got {value}")
+    for f in dataclasses.fields(Config):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{flag_name(f.name)} must be a finite number, got {value}")
+    for name in ("lr", "bucket_cap_mb"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
+    if not 0 <= cfg.momentum < 1:
+        raise ConfigError(f"--momentum must be in [0, 1), got {cfg.momentum}")
+    if cfg.weight_decay < 0:
+        raise ConfigError(f"--weight-decay must be 0 or more, got {cfg.weight_decay}")
     sizes = cfg.anchor_sizes.split(",")
     if len(sizes) != 5 or not all(s.strip().isdigit() and int(s) > 0 for s in sizes):
         raise ConfigError(f"--anchor-sizes {cfg.anchor_sizes!r}: give 5 positive integers, one per FPN "
@@ -204,9 +238,12 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
     for name, allowed in (("backbone", BACKBONES), ("norm", NORMS), ("optimizer", OPTIMIZERS),
                           ("grad_compression", COMPRESSIONS)):
         if getattr(cfg, name) not in allowed:
-            raise ConfigError(f"{_flag(name)}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+            raise ConfigError(f"{flag_name(name)}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
     if cfg.amp_dtype is not None and cfg.amp_dtype not in AMP_DTYPES:
         raise ConfigError(f"--amp-dtype: {cfg.amp_dtype!r} is not one of {', '.join(AMP_DTYPES)}")
+    if cfg.amp_dtype is not None and not cfg.amp:
+        raise ConfigError(f"--amp-dtype {cfg.amp_dtype} picks the dtype of --amp, which is off; add --amp "
+                          "(or drop --amp-dtype for full fp32)")
     if not cuda and cfg.amp_dtype == "float16":
         raise ConfigError("--amp-dtype float16 needs a CUDA GPU; on CPU use --amp-dtype bfloat16 "
                           "(the default for --amp on CPU)")
@@ -238,7 +275,7 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
     for name in ("train_json", "val_json", "train_images", "val_images", "weights"):
         value = getattr(cfg, name)
         if value is not None and not Path(value).exists():
-            raise ConfigError(f"{_flag(name)} {value}: no such file or directory")
+            raise ConfigError(f"{flag_name(name)} {value}: no such file or directory")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_file():
         raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (use --resume auto to "
                           "resume from the newest checkpoint in --output-dir)")
@@ -249,106 +286,3 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
             probe = probe.parent
         if probe.exists() and (not probe.is_dir() or not os.access(probe, os.W_OK)):
             raise ConfigError(f"--output-dir {cfg.output_dir}: cannot write there ({probe} is not a writable directory)")
-
-
-HELP = {
-    "data_path": "COCO root with annotations/instances_{train,val}2017.json and {train,val}2017/; "
-                 "default: the embedded shapes dataset, generated on first use into the cache",
-    "train_json": "train annotation json (overrides the --data-path layout)",
-    "train_images": "train image folder (with --train-json)",
-    "val_json": "validation annotation json",
-    "val_images": "validation image folder (with --val-json)",
-    "shapes_train": "images in the generated shapes train split",
-    "shapes_val": "images in the generated shapes validation split",
-    "shapes_seed": "seed of the generated shapes dataset",
-    "preset": f"hardware preset ({', '.join(PRESETS)}); default: gpu-r50 with CUDA, else cpu-tiny",
-    "backbone": "ResNet FPN backbone",
-    "norm": "normalization: bn (trainable, from scratch), frozen (only with pretrained --weights), gn",
-    "sync_bn": "convert BatchNorm to SyncBatchNorm across processes",
-    "min_size": "shorter image side after resizing (pixels)",
-    "max_size": "longer image side cap after resizing (pixels)",
-    "fpn_channels": "FPN output channels (torchvision: 256)",
-    "mask_head_layers": "3x3 convs in the mask head (torchvision: 4)",
-    "mask_head_channels": "width of the mask head convs (torchvision: 256)",
-    "box_head_dim": "width of the box head's two FC layers (torchvision: 1024)",
-    "anchor_sizes": "anchor size (pixels) per FPN level, comma-separated (torchvision: 32,64,128,256,512)",
-    "rpn_pre_nms_top_n": "RPN proposals kept before NMS per image (training)",
-    "rpn_post_nms_top_n": "RPN proposals kept after NMS per image (training)",
-    "rpn_batch_size_per_image": "anchors sampled per image for the RPN loss",
-    "box_batch_size_per_image": "RoIs sampled per image for the box and mask heads",
-    "weights": "local state dict (.pt) to start from; nothing is ever downloaded",
-    "batch_size": "images per process per micro-step",
-    "epochs": "passes over the training set (ignored when --max-steps is set)",
-    "max_steps": "stop after this many optimizer steps (overrides --epochs)",
-    "optimizer": "optimizer",
-    "lr": f"learning rate for a global batch of {REFERENCE_BATCH} images; scaled linearly to the "
-          "actual global batch (batch-size x accum-steps x processes)",
-    "momentum": "SGD momentum",
-    "weight_decay": "weight decay",
-    "warmup_steps": "linear warm-up length in optimizer steps, then cosine decay",
-    "accum_steps": "micro-steps accumulated per optimizer step (DDP syncs only on the last)",
-    "clip_grad_norm": "clip the global gradient norm to this value",
-    "amp": "mixed precision: fp16 + GradScaler on CUDA, bf16 on CPU",
-    "amp_dtype": "autocast dtype: float16 (CUDA only) or bfloat16",
-    "workers": "DataLoader worker processes per training process",
-    "persistent_workers": "keep DataLoader workers alive between epochs",
-    "prefetch_factor": "batches each worker loads ahead",
-    "pin_memory": "page-locked host memory for faster copies (default: on with CUDA, off on CPU)",
-    "aspect_ratio_group_factor": "group images of similar aspect ratio into batches (-1: off)",
-    "dist_backend": "process-group backend (default: nccl with CUDA, else gloo)",
-    "dist_timeout": "seconds a collective may wait before the run fails instead of hanging",
-    "bucket_cap_mb": "DDP gradient bucket size (MB)",
-    "gradient_as_bucket_view": "let gradients alias DDP's buckets (saves a copy and memory)",
-    "static_graph": "tell DDP the graph is the same every step",
-    "broadcast_buffers": "sync BatchNorm buffers from rank 0 before each forward (DDP's forward_sync_buffers)",
-    "find_unused_parameters": "let DDP handle parameters without gradients (slower)",
-    "grad_compression": "compress gradients to fp16/bf16 before all-reduce (CUDA only)",
-    "cudnn_benchmark": "let cuDNN time convolution algorithms (good for fixed sizes)",
-    "deterministic": "deterministic algorithms and cuDNN (slower; for exact reproducibility)",
-    "channels_last": "NHWC memory format for the backbone (faster tensor cores on GPUs)",
-    "seed": "seed of model init (same on every rank) and data order",
-    "eval_every": "evaluate every N optimizer steps (always at the end)",
-    "print_freq": "log metrics every N optimizer steps",
-    "output_dir": "where config.json, metrics.jsonl, eval.jsonl, checkpoints/ and TensorBoard go "
-                  "(default: runs/<date-time>)",
-    "resume": "checkpoint to resume from, or 'auto' for the newest good one in --output-dir",
-    "test_only": "only evaluate the --resume/--weights model",
-    "checkpoint_every": "save a checkpoint every N optimizer steps (and at the end)",
-    "keep_checkpoints": "numbered checkpoints to keep besides last.pt",
-    "skip_nonfinite": "skip up to N optimizer steps with a non-finite loss instead of stopping",
-    "progress": "show a progress bar on rank 0",
-}
-
-_RESOLVED = {"world_size", "global_batch_size", "base_lr", "device"}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="torchrun [--nproc_per_node=N] maskrcnn_tut/train.py",
-        description="Train Mask R-CNN on COCO-format data, on CPUs (gloo) or GPUs (nccl). "
-                    "With no flags it trains on the embedded shapes dataset with the preset the "
-                    "hardware calls for.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    for f in dataclasses.fields(Config):
-        if f.name in _RESOLVED:
-            continue
-        flag = _flag(f.name)
-        if str(f.type).startswith("bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=HELP[f.name] + f" (default: {f.default})")
-            continue
-        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-        parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper(),
-                            help=HELP[f.name] + (f" (default: {f.default})" if f.default is not None else ""))
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    return parser
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
-    """Parse flags into a resolved `Config`; returns (config, print_config_only)."""
-    args = vars(build_parser().parse_args(argv))
-    print_only = args.pop("print_config")
-    given = {k: v for k, v in args.items() if v is not None}
-    cfg = Config(**given)
-    return resolve(cfg, explicit=set(given)), print_only

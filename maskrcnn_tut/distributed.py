@@ -7,7 +7,9 @@ its own for each torchrun restart round, so a restarted group never reads a dead
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import os
 import pickle
 import queue
@@ -17,11 +19,15 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .errors import PeerFailure, WorkerError
+from .hardware import usable_cores
 
 
 @dataclass
@@ -57,10 +63,6 @@ def env_world() -> tuple[int, int, int, int]:
     return (int(os.environ.get("RANK", 0)), world, int(os.environ.get("LOCAL_RANK", 0)), local_world)
 
 
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _round_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store, prefixed by torchrun's restart count (see findings on gloo restarts)."""
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
@@ -83,7 +85,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, cpu_cores() // local_world))
+        torch.set_num_threads(max(1, usable_cores() // local_world))
     if world_size > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, store=_round_store(rank, world_size, timeout),
@@ -96,13 +98,26 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
 _PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting")
 
 
-def peer_failure(err: BaseException) -> str | None:
-    """One line saying another rank died or hung, when that is what `err` means; else None."""
+def peer_failure(err: BaseException) -> PeerFailure | None:
+    """`err` as a `PeerFailure` when it means another rank died or hung; else None."""
     text = str(err)
     if not isinstance(err, dist.DistError) and not any(sign in text for sign in _PEER_FAILURE_SIGNS):
         return None
-    return ("another rank died or stopped answering within --dist-timeout, so this one stops too ("
-            + text.strip().splitlines()[0][:300] + ")")
+    return PeerFailure(f"rank {info().rank}: another rank died or stopped answering within --dist-timeout, "
+                       "so this one stops too (" + text.strip().splitlines()[0][:300] + ")")
+
+
+def record_error_for_torchrun(err: BaseException) -> None:
+    """Write `err` as one line into torchrun's error file (`TORCHELASTIC_ERROR_FILE`), in the
+    format of torch.distributed.elastic's `ErrorHandler`, so that torchrun's failure summary names
+    the cause (instead of `error_file: <N/A>`) without the package's traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    line = f"{type(err).__name__}: {err}"
+    payload = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps(payload))
 
 
 def shutdown() -> None:
@@ -173,10 +188,6 @@ def unwrap(model: nn.Module) -> nn.Module:
 # --------------------------------------------------------------------------- notebook launcher
 
 
-class WorkerError(RuntimeError):
-    """A worker started by `launch` failed; the message holds its traceback."""
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -230,8 +241,8 @@ def launch(fn, nprocs: int, *args, backend: str | None = None, timeout_s: float 
     """Run `fn(*args)` in `nprocs` fresh processes joined in one group; return rank 0's result.
 
     Works from a Jupyter cell: workers are spawned (not forked), their prints appear in the cell
-    as `[rank r] ...`, and a worker's exception is raised here as `WorkerError` with its
-    traceback after every worker has been stopped. `fn` must be importable (defined in a module).
+    as `[rank r] ...`, and a worker's exception is raised here as a one-line `WorkerError` (its
+    traceback in `.details`, shown by IPython) after every worker has been stopped. `fn` must be importable (defined in a module).
     Workers are not daemons, so they may start DataLoader worker processes of their own.
     """
     import multiprocessing as mp
@@ -246,7 +257,7 @@ def launch(fn, nprocs: int, *args, backend: str | None = None, timeout_s: float 
         if kind == "line":
             print(f"[rank {rank}] {payload}" if prefix_output else payload, flush=True)
 
-    result, finished, error, started = None, set(), None, []
+    result, finished, error, details, started = None, set(), None, "", []
     try:
         for p in procs:
             p.start()
@@ -262,7 +273,7 @@ def launch(fn, nprocs: int, *args, backend: str | None = None, timeout_s: float 
                 continue
             show(kind, rank, payload)
             if kind == "error":
-                error = f"worker {rank} failed:\n{payload}"
+                error, details = f"worker {rank} failed: {payload.strip().splitlines()[-1]}", payload
                 finished.add(rank)
             elif kind == "result":
                 finished.add(rank)
@@ -295,5 +306,5 @@ def launch(fn, nprocs: int, *args, backend: str | None = None, timeout_s: float 
                 break
         messages.close()
     if error is not None:
-        raise WorkerError(error)
+        raise WorkerError(error, details)
     return result

@@ -1,10 +1,13 @@
-"""The training step and loop: AMP, gradient accumulation with `no_sync`, clipping, a non-finite guard.
+"""One optimizer step, and what sets it up: runtime flags, precision, optimizer, lr schedule.
 
-`train` reads top to bottom like nanoGPT's loop. One optimizer step is `accum_steps` micro-steps;
-DDP all-reduces gradients only on the last of them. After the backward passes every rank shares a
-small tensor of its loss terms, times and a non-finite flag in one all-reduce, so logging,
-straggler detection and the decision to stop on a NaN are the same on every rank and nobody is
-left waiting in a collective.
+`train_step` is the step `train.py`'s loop, the benchmark and the chapters' proofs all run: it
+draws `accum_steps` micro-batches, runs forward and backward on each under autocast (DDP syncs
+gradients only on the last, the others run in `no_sync`), then clips and steps the optimizer.
+After the backward passes every rank shares a small tensor of its loss terms, its forward time,
+its data time and a non-finite flag in one all-reduce, so logging, straggler detection and the
+decision to stop on a NaN are the same on every rank and nobody is left waiting in a collective.
+
+Every function takes a config that went through `config.derive` (it resolves the precision).
 """
 from __future__ import annotations
 
@@ -21,24 +24,11 @@ from torch import nn
 
 from . import distributed as du
 from .data.loader import to_device
+from .errors import NonFiniteLossError, UnusedParametersError
 
 log = logging.getLogger(__name__)
 
-#: Fault injection for the tests only: "STEP:RANK[,STEP:RANK...]" makes that rank's loss NaN at
-#: that optimizer step (before backward, like a real overflow), to prove the guard stops every rank.
-INJECT_NAN_ENV = "MASKRCNN_TUT_INJECT_NAN"
-
-
-def _inject_nan(step: int, rank: int) -> bool:
-    return f"{step}:{rank}" in os.environ.get(INJECT_NAN_ENV, "").split(",")
-
-
-class NonFiniteLossError(FloatingPointError):
-    """Raised on every rank at once when any rank's loss is NaN or infinite."""
-
-
-class UnusedParametersError(RuntimeError):
-    """DDP found parameters that got no gradient; the message says which flag fixes it."""
+_DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -55,23 +45,34 @@ class TrainState:
         return dict(self.__dict__)
 
 
-def amp_dtype(cfg, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype `--amp`/`--amp-dtype` ask for on this device (None: full fp32)."""
-    if not cfg.amp and cfg.amp_dtype is None:
-        return None
-    if cfg.amp_dtype is not None:
-        return getattr(torch, cfg.amp_dtype)
-    return torch.float16 if device.type == "cuda" else torch.bfloat16
+def configure_runtime(cfg, device: torch.device) -> None:
+    """cuDNN and determinism flags (chapter 6), and TF32 matmuls on Ampere and later GPUs."""
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def amp_dtype(cfg) -> torch.dtype | None:
+    """The autocast dtype `config.derive` resolved (None: full fp32)."""
+    if cfg.precision not in _DTYPES:
+        raise ValueError("the config has no resolved precision: pass it through config.derive(cfg, world_size, "
+                         "device) first")
+    return _DTYPES[cfg.precision]
 
 
 def autocast(cfg, device: torch.device):
-    dtype = amp_dtype(cfg, device)
+    dtype = amp_dtype(cfg)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
 def make_scaler(cfg, device: torch.device) -> torch.amp.GradScaler:
     """A GradScaler that is active only for fp16 (bf16 has fp32's range and needs none)."""
-    return torch.amp.GradScaler(device.type, enabled=amp_dtype(cfg, device) == torch.float16)
+    return torch.amp.GradScaler(device.type, enabled=amp_dtype(cfg) == torch.float16)
 
 
 def lr_schedule(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -82,6 +83,11 @@ def lr_schedule(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
         progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
         return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
+    """`lr_schedule` as a LambdaLR over `total_steps` optimizer steps."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.warmup_steps, total_steps))
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
@@ -96,17 +102,6 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr)
 
 
-def batch_stream(loader, state: TrainState) -> Iterator:
-    """Batches forever, epoch after epoch, starting at `state`'s position; keeps `state` current."""
-    while True:
-        loader.batch_sampler.set_epoch(state.epoch, skip=state.batch_in_epoch)
-        for batch in loader:
-            state.batch_in_epoch += 1
-            yield batch
-        state.epoch += 1
-        state.batch_in_epoch = 0
-
-
 def _ddp_no_sync(model: nn.Module, last_micro_step: bool):
     """Skip DDP's gradient all-reduce on every micro-step but the last one."""
     if last_micro_step or not isinstance(model, nn.parallel.DistributedDataParallel):
@@ -114,23 +109,50 @@ def _ddp_no_sync(model: nn.Module, last_micro_step: bool):
     return model.no_sync()
 
 
-def _forward_backward(model, images, targets, cfg, device, scaler, accum_steps: int, sync: bool,
-                      inject_nan: bool = False):
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _forward(model, images, targets, device) -> tuple[dict, float]:
+    """The loss dict, and the seconds the model's own forward took on this rank.
+
+    Timed by hooks on the module inside DDP, after a device sync, so neither DDP's buffer
+    broadcast before it nor any wait for another rank is counted: what is left differs between
+    ranks only by their own work (images, sizes, device speed), which is what reveals a straggler.
+    """
+    inner, marks = du.unwrap(model), {}
+
+    def mark(name):
+        def hook(*_):
+            _synchronize(device)
+            marks[name] = time.perf_counter()
+        return hook
+
+    handles = [inner.register_forward_pre_hook(mark("start")), inner.register_forward_hook(mark("stop"))]
+    called = time.perf_counter()
+    try:
+        loss_dict = model(images, targets)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return loss_dict, marks.get("stop", time.perf_counter()) - marks.get("start", called)
+
+
+def _forward_backward(model, images, targets, cfg, device, scaler, accum_steps: int, sync: bool):
     try:  # DDP reports parameters without gradient in the next step's forward, or in backward
         with _ddp_no_sync(model, sync):
             with autocast(cfg, device):
-                loss_dict = model(images, targets)
-            if inject_nan:
-                loss_dict = {name: value * float("nan") for name, value in loss_dict.items()}
+                loss_dict, forward_time = _forward(model, images, targets, device)
             loss = sum(loss_dict.values())  # a dict of tensors: sum its values, not the dict
             scaler.scale(loss / accum_steps).backward()
     except RuntimeError as err:
         if "find_unused_parameters" in str(err) or "did not receive grad" in str(err):
             raise UnusedParametersError("DDP: some parameters got no gradient; rerun with "
                                         "--find-unused-parameters (slower) or make every "
-                                        "parameter take part in the loss") from err
+                                        "parameter take part in the loss") from None
         raise
-    return loss_dict
+    return loss_dict, forward_time
 
 
 @dataclass
@@ -144,7 +166,7 @@ class StepRecord:
     terms: dict[str, float]
     data_time: float
     iter_time: float
-    rank_compute_times: list[float] = field(default_factory=list)
+    rank_forward_times: list[float] = field(default_factory=list)  # each rank's own forward seconds
     skipped: bool = False
 
 
@@ -158,7 +180,7 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg, device, state: 
     start = time.perf_counter()
     info = du.info()
     accum = cfg.accum_steps
-    data_time = 0.0
+    data_time = forward_time = 0.0
     totals: dict[str, torch.Tensor] = {}
     optimizer.zero_grad(set_to_none=True)
     for micro in range(accum):
@@ -166,20 +188,19 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg, device, state: 
         images, targets = next(batches)
         images, targets = to_device(images, targets, device, non_blocking=bool(cfg.pin_memory))
         data_time += time.perf_counter() - t_data
-        loss_dict = _forward_backward(model, images, targets, cfg, device, scaler, accum, micro == accum - 1,
-                                      inject_nan=_inject_nan(state.step + 1, info.rank))
+        loss_dict, seconds = _forward_backward(model, images, targets, cfg, device, scaler, accum, micro == accum - 1)
+        forward_time += seconds
         for name, value in loss_dict.items():
             totals[name] = totals.get(name, 0.0) + value.detach().float() / accum
     if not term_names:
         term_names.extend(sorted(totals))
-    compute_time = time.perf_counter() - start - data_time
     # one small all-reduce: each rank fills its own row with its terms, a NaN flag and its times
     n = len(term_names)
     shared = torch.zeros(info.world_size, n + 3, device=device)
     local = torch.stack([totals[name] for name in term_names])
     shared[info.rank, :n] = torch.nan_to_num(local, nan=0.0, posinf=0.0, neginf=0.0)
     shared[info.rank, n] = (~torch.isfinite(local)).any().float()
-    shared[info.rank, n + 1] = compute_time
+    shared[info.rank, n + 1] = forward_time
     shared[info.rank, n + 2] = data_time
     du.all_reduce_sum(shared)
     shared = shared.cpu()
@@ -211,19 +232,4 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg, device, state: 
     return StepRecord(step=state.step, epoch=state.epoch, lr=optimizer.param_groups[0]["lr"],
                       loss=sum(mean_terms), terms=terms, data_time=float(shared[:, n + 2].max()),
                       iter_time=time.perf_counter() - start,
-                      rank_compute_times=shared[:, n + 1].tolist(), skipped=bool(bad_ranks))
-
-
-def train(model, optimizer, scheduler, scaler, loader, cfg, device, state: TrainState, total_steps: int,
-          callbacks: list[Callable] = ()) -> TrainState:
-    """Optimizer steps until `total_steps`; each callback gets every `StepRecord` (logging,
-    evaluation and checkpoints hook in there)."""
-    model.train()
-    batches = batch_stream(loader, state)
-    term_names: list[str] = []
-    while state.step < total_steps:
-        record = train_step(model, optimizer, scaler, batches, cfg, device, state, term_names)
-        scheduler.step()
-        for callback in callbacks:
-            callback(record)
-    return state
+                      rank_forward_times=shared[:, n + 1].tolist(), skipped=bool(bad_ranks))

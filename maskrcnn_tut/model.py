@@ -20,6 +20,8 @@ from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHe
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 from torchvision.ops import misc as misc_ops
 
+from .errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 NORM_LAYERS = {
@@ -70,13 +72,20 @@ def build_model(cfg, num_classes: int) -> MaskRCNN:
 
 def load_weights(model: nn.Module, path: str) -> None:
     """Load a local state dict; heads whose shape differs (another class count) stay random."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    state = state.get("model", state)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # not a torch file, truncated, unsafe pickle...
+        raise CheckpointError(f"--weights {path}: not a loadable torch state dict ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200] if str(err) else ''})") from None
+    state = state.get("model", state) if isinstance(state, dict) else None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"--weights {path}: holds no state dict (a dict of tensors)")
     own = model.state_dict()
-    matching = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    matching = {k: v for k, v in state.items()
+                if k in own and isinstance(v, torch.Tensor) and own[k].shape == v.shape}
     skipped = sorted(set(state) - set(matching))
     if not matching:
-        raise ValueError(f"--weights {path}: no tensor matches this model (is it a Mask R-CNN "
+        raise CheckpointError(f"--weights {path}: no tensor matches this model (is it a Mask R-CNN "
                          f"state dict for backbone {model.backbone.body.__class__.__name__}?)")
     model.load_state_dict(matching, strict=False)
     if skipped:

@@ -3,7 +3,9 @@ import subprocess
 
 import pytest
 
-from maskrcnn_tut.config import PRESETS, REFERENCE_BATCH, Config, ConfigError, build_parser, make_config, parse_args
+from maskrcnn_tut.config import PRESETS, REFERENCE_BATCH, Config, make_config
+from maskrcnn_tut.errors import ConfigError
+from maskrcnn_tut.flags import build_parser, parse_args
 
 from conftest import PYTHON, TRAIN_SCRIPT
 

@@ -7,7 +7,8 @@ import torch
 
 from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
 from maskrcnn_tut import checkpoint as ckpt
-from maskrcnn_tut.config import ConfigError, make_config, validate
+from maskrcnn_tut.config import make_config, validate
+from maskrcnn_tut.errors import ConfigError
 from maskrcnn_tut.distributed import free_port
 
 INVALID = [  # (setting, value, the flag the message must name)
@@ -95,13 +96,15 @@ def test_the_script_exits_2_with_one_line_and_no_traceback(shapes_root, tmp_path
     assert out.stderr.strip() == "error: --accum-steps must be a positive integer, got 0"
 
 
-def test_torchrun_ranks_all_reject_a_bad_setting_and_exit(shapes_root, tmp_path):
+def test_torchrun_ranks_all_reject_a_bad_setting_once_and_its_summary_names_it(shapes_root, tmp_path):
     cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
            str(TRAIN_SCRIPT), "--data-path", str(shapes_root), "--output-dir", str(tmp_path / "run"),
            "--batch-size", "0"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env())
     assert out.returncode != 0
     ours = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert ours == ["error: --batch-size must be a positive integer, got 0"] * 2, out.stderr[-3000:]
+    assert ours == ["error: --batch-size must be a positive integer, got 0"], out.stderr[-3000:]  # rank 0 says it
     assert "exitcode  : 2" in out.stderr  # torchrun's summary of each rank
+    assert "error_file: <N/A>" not in out.stderr  # the summary reads the error file each rank wrote
+    assert "ConfigError: --batch-size must be a positive integer, got 0" in out.stderr
     assert "maskrcnn_tut/" not in out.stderr.replace(str(TRAIN_SCRIPT), "")  # no traceback from our code

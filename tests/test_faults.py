@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+from conftest import PYTHON, REPO, TRAIN_SCRIPT, subprocess_env
 from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut.distributed import free_port
-from maskrcnn_tut.engine import INJECT_NAN_ENV
 from maskrcnn_tut.monitor import read_jsonl
+
+FAULTY_TRAIN = REPO / "tests" / "faulty_train.py"
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +32,9 @@ def _flags(root: Path, out: Path, *extra: str) -> list[str]:
             "--max-size", "128", "--workers", "0", "--no-progress", "--print-freq", "1", *extra]
 
 
-def _torchrun(flags: list[str], max_restarts: int = 0) -> list[str]:
+def _torchrun(flags: list[str], max_restarts: int = 0, script: list[str] = (str(TRAIN_SCRIPT),)) -> list[str]:
     return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.5", f"--master-port={free_port()}", str(TRAIN_SCRIPT), *flags]
+            "--monitor-interval=0.5", f"--master-port={free_port()}", *script, *flags]
 
 
 def _start(cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
@@ -125,14 +126,14 @@ def test_nonfinite_loss_on_one_rank_stops_both_and_keeps_the_last_good_checkpoin
     """Rank 1's loss is NaN at steps 3 and 4: --skip-nonfinite 1 skips step 3, step 4 stops the run."""
     out, log = tmp_path / "run", tmp_path / "run.log"
     flags = _flags(small_root, out, "--max-steps", "8", "--checkpoint-every", "2", "--skip-nonfinite", "1")
-    proc = _start(_torchrun(flags), log, **{INJECT_NAN_ENV: "3:1,4:1"})
+    proc = _start(_torchrun(flags, script=[str(FAULTY_TRAIN), "--nan-at", "3:1,4:1", "--"]), log)
     skipped = "non-finite loss at step 3 on rank(s) [1]: step skipped (1 of --skip-nonfinite 1)"
     _wait_for(lambda: skipped in log.read_text(), proc, log)
     _finish(proc, 60)  # one more step, then every rank stops: none is left waiting in a collective
     output = log.read_text()
     assert proc.returncode != 0
     stops = [line for line in output.splitlines() if "error: non-finite loss at step 4 on rank(s) [1]" in line]
-    assert len(stops) == 2, output[-3000:]  # both ranks say so
+    assert len(stops) == 2, output[-3000:]  # both ranks say so (each names its own terms)
     assert any("loss_classifier=nan" in line for line in stops)  # the rank with the NaN names its terms
     assert [p.name for p in ckpt.numbered(out / "checkpoints")] == ["step_0000002.pt"]
     assert ckpt.load(out / "checkpoints" / "last.pt")["state"]["step"] == 2
@@ -178,3 +179,15 @@ def test_a_dead_or_hung_peer_makes_the_other_rank_exit_with_a_message(fault, tmp
         procs[1].kill()
         procs[1].wait()
         procs[0].kill()
+
+
+def test_unused_parameters_under_ddp_are_one_line_naming_the_flag(small_root, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    proc = _start(_torchrun(_flags(small_root, out, "--max-steps", "3"),
+                            script=[str(FAULTY_TRAIN), "--unused-parameter", "--"]), log)
+    _finish(proc, 120)
+    output = log.read_text()
+    assert proc.returncode != 0
+    ours = [line for line in output.splitlines() if line.startswith("error:")]
+    assert ours and all("--find-unused-parameters" in line for line in ours), output[-3000:]
+    assert "maskrcnn_tut/" not in output.replace(str(TRAIN_SCRIPT), "")  # no traceback through our code

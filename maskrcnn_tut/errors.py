@@ -1,0 +1,64 @@
+"""Every failure a user can cause or fix, as one family of exceptions.
+
+Each CLI (`train.py`, `python -m maskrcnn_tut.bench`, `python -m maskrcnn_tut.data.check`) catches
+`UserError` and nothing else: it prints `error: <message>` as one line and exits with the error's
+`exit_code`. Anything that is not a `UserError` is a bug of the package and keeps its traceback.
+
+Exit codes: 2 bad settings, data, checkpoint or benchmark; 3 non-finite loss; 4 another rank failed.
+"""
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A failure the user can act on; the message says what went wrong and what to do."""
+
+    exit_code = 2
+    #: False: every rank meets it alike (bad settings or data at set-up), so only rank 0 prints it.
+    rank_specific = False
+
+
+class ConfigError(UserError, ValueError):
+    """A setting that cannot work; the message names the flag and what is allowed."""
+
+
+class DataError(UserError, ValueError):
+    """The dataset leaves nothing to train on (bad json, no usable images, fewer than one batch)."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint or weights file that cannot be used; the message names the file and why."""
+
+
+class BenchError(UserError):
+    """A benchmark that cannot run here, or whose worker failed; the message says why."""
+
+
+class NonFiniteLossError(UserError, FloatingPointError):
+    """Raised on every rank at once when any rank's loss is NaN or infinite (each names its own terms)."""
+
+    exit_code = 3
+    rank_specific = True
+
+
+class UnusedParametersError(UserError):
+    """DDP found parameters that got no gradient; the message says which flag fixes it."""
+
+
+class WorkerError(UserError):
+    """A process started by `distributed.launch` failed; the message says which and why in one
+    line, `details` holds the worker's traceback."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows in a notebook: the worker's own traceback, then the one line."""
+        return [*self.details.rstrip().splitlines(), f"WorkerError: {self}"]
+
+
+class PeerFailure(UserError):
+    """Another rank died or stopped answering within --dist-timeout, so this one stops too."""
+
+    exit_code = 4
+    rank_specific = True

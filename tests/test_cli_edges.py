@@ -1,0 +1,106 @@
+"""The edges a user touches first: --help shows the real defaults, precision is decided once,
+`derive` resolves the run's settings, and bad weights or checkpoints are one line, not a traceback."""
+import logging
+
+import pytest
+import torch
+
+from maskrcnn_tut import checkpoint as ckpt
+from maskrcnn_tut.config import REFERENCE_BATCH, derive, make_config, validate
+from maskrcnn_tut.distributed import DistInfo
+from maskrcnn_tut.engine import autocast, build_optimizer, build_scheduler, make_scaler
+from maskrcnn_tut.errors import CheckpointError, ConfigError, UserError
+from maskrcnn_tut.flags import build_parser, parse_args
+from maskrcnn_tut.model import build_model
+from maskrcnn_tut.train import main
+
+
+def _help(monkeypatch, cuda: bool) -> str:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    return " ".join(build_parser().format_help().split())
+
+
+def test_help_shows_each_flag_default_once_as_this_machine_resolves_it(monkeypatch):
+    cpu = _help(monkeypatch, cuda=False)
+    assert "(default: None)" not in cpu
+    assert all((action.help or "").count("default:") <= 1 for action in build_parser()._actions)
+    assert "--lr LR learning rate" in cpu and "(default: 0.002, from preset cpu-tiny)" in cpu
+    assert "runs/train" in cpu and "date-time" not in cpu
+    gpu = _help(monkeypatch, cuda=True)
+    lr_help = gpu[gpu.index("--lr LR learning rate"):gpu.index("--momentum MOMENTUM SGD")]
+    assert "from preset gpu-r50" in lr_help and "0.002" not in lr_help
+
+
+def test_no_amp_with_an_amp_dtype_is_refused_not_silently_enabled():
+    cfg, _ = parse_args(["--preset", "cpu-tiny", "--no-amp", "--amp-dtype", "bfloat16"])
+    with pytest.raises(ConfigError, match="--amp-dtype bfloat16 picks the dtype of --amp, which is off"):
+        validate(cfg, cuda_available=False)
+
+
+@pytest.mark.parametrize("amp,dtype,device,expected", [
+    (False, None, "cpu", "float32"), (True, None, "cpu", "bfloat16"), (True, None, "cuda", "float16"),
+    (True, "bfloat16", "cuda", "bfloat16")])
+def test_precision_is_resolved_once_by_derive(amp, dtype, device, expected):
+    cfg = derive(make_config("cpu-tiny", amp=amp, amp_dtype=dtype), 1, device)
+    assert cfg.precision == expected
+    context = autocast(cfg, torch.device("cpu"))
+    assert context._enabled == (expected != "float32")
+    if context._enabled:
+        assert context.fast_dtype == getattr(torch, expected)
+
+
+def test_derive_scales_the_lr_to_the_global_batch_and_is_idempotent():
+    cfg = make_config("cpu-tiny", batch_size=4, accum_steps=2, lr=1e-3)
+    derived = derive(cfg, 4, "cpu")
+    assert derived.global_batch_size == 32 and derived.base_lr == 1e-3
+    assert derived.lr == pytest.approx(1e-3 * 32 / REFERENCE_BATCH)
+    assert derive(derived, 4, "cpu").lr == derived.lr  # deriving twice does not scale twice
+    assert cfg.lr == 1e-3 and derived.pin_memory is False and derive(cfg, 1, "cuda").pin_memory is True
+
+
+def test_every_user_error_has_an_exit_code():
+    assert issubclass(ConfigError, UserError) and ConfigError("x").exit_code == 2
+
+
+def test_a_bad_weights_file_is_one_line_and_exit_code_2(shapes_root, tmp_path, capsys):
+    bad = tmp_path / "weights.pt"
+    bad.write_text("these are not weights")
+    flags = ["--data-path", str(shapes_root), "--output-dir", str(tmp_path / "run"), "--no-progress",
+             "--weights", str(bad), "--test-only"]
+    assert main(flags) == 2
+    err = capsys.readouterr().err
+    assert err.strip().startswith(f"error: --weights {bad}: not a loadable torch state dict"), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def _training_parts(cfg):
+    model = build_model(cfg, 4)
+    optimizer = build_optimizer(model, cfg)
+    return model, optimizer, build_scheduler(optimizer, cfg, 10)
+
+
+def test_resuming_an_fp32_run_with_fp16_starts_a_fresh_scaler(caplog):
+    fp32 = derive(make_config("cpu-tiny"), 1, "cpu")
+    model, optimizer, scheduler = _training_parts(fp32)
+    payload = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+               "scaler": make_scaler(fp32, torch.device("cpu")).state_dict(), "rng": [ckpt.rng_state(torch.device("cpu"))],
+               "state": {"step": 3, "epoch": 0, "batch_in_epoch": 3, "nonfinite_skipped": 0, "scaler_skipped": 0}}
+    fp16_scaler = torch.amp.GradScaler("cpu", enabled=True)  # what --amp-dtype float16 makes on a GPU
+    with caplog.at_level(logging.WARNING):
+        state = ckpt.restore_training(payload, optimizer, scheduler, fp16_scaler, DistInfo())
+    assert state.step == 3 and fp16_scaler.is_enabled()
+    assert "scaler starts afresh" in caplog.text
+
+
+def test_a_checkpoint_without_config_or_of_another_optimizer_is_refused(tmp_path):
+    run = make_config("cpu-tiny").to_dict()
+    with pytest.raises(CheckpointError, match="has no config"):
+        ckpt.check_compatible({"model": {}, "state": {}}, run, tmp_path / "a.pt")
+    saved = dict(run, optimizer="adamw")
+    with pytest.raises(CheckpointError, match="trained with --optimizer adamw, this run asks for sgd"):
+        ckpt.check_compatible({"config": saved}, dict(run, optimizer="sgd"), tmp_path / "a.pt")
+
+
+def test_rng_state_holds_only_this_process_device():
+    state = ckpt.rng_state(torch.device("cpu"))
+    assert "cuda" not in state
