@@ -241,12 +241,12 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
             raise ConfigError(f"{flag_name(name)}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
     if cfg.amp_dtype is not None and cfg.amp_dtype not in AMP_DTYPES:
         raise ConfigError(f"--amp-dtype: {cfg.amp_dtype!r} is not one of {', '.join(AMP_DTYPES)}")
-    if cfg.amp_dtype is not None and not cfg.amp:
-        raise ConfigError(f"--amp-dtype {cfg.amp_dtype} picks the dtype of --amp, which is off; add --amp "
-                          "(or drop --amp-dtype for full fp32)")
     if not cuda and cfg.amp_dtype == "float16":
         raise ConfigError("--amp-dtype float16 needs a CUDA GPU; on CPU use --amp-dtype bfloat16 "
                           "(the default for --amp on CPU)")
+    if cfg.amp_dtype is not None and not cfg.amp:
+        raise ConfigError(f"--amp-dtype {cfg.amp_dtype} picks the dtype of --amp, which is off; add --amp "
+                          "(or drop --amp-dtype for full fp32)")
     if cfg.dist_backend not in (None, "gloo", "nccl"):
         raise ConfigError(f"--dist-backend: {cfg.dist_backend!r} is not one of gloo, nccl")
     if cfg.dist_backend == "nccl" and not cuda:

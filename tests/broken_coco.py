@@ -1,4 +1,4 @@
-"""A COCO dataset with every problem kind `maskrcnn_tut.data.coco` handles, for the fault tests.
+"""A COCO dataset with every problem kind `maskrcnn_tut.data.clean` handles, for the fault tests.
 
 `write_broken_coco(root)` writes `annotations/instances_{train,val}2017.json` and the image folders
 and returns, next to the root, the problem counts the train split must report: each problem is
@@ -36,7 +36,9 @@ def _rle(mask: np.ndarray) -> dict:
 
 
 def _instances(shapes: list[dict]) -> list[dict]:
-    """Valid annotations (no ids yet) of the visible part of each rendered shape."""
+    """Valid annotations (no ids yet) of the visible part of each rendered shape, as compressed RLE:
+    not what COCO writes for instances, but a valid encoding other exporters use, so the loader
+    must keep reading it (the shapes dataset covers polygons)."""
     instances = []
     for shape in shapes:
         mask = shape["mask"]

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import subprocess_env
-from maskrcnn_tut import bench
+from maskrcnn_tut import bench, config, engine, hardware
+from maskrcnn_tut.bench import sweeps
 
 TINY = dict(min_size=64, max_size=96, batch_size=2)
 
@@ -28,6 +29,11 @@ def test_measure_times_the_training_step_after_warmup():
     row = measured.row()
     assert row["img/s"] == pytest.approx(2 / sorted(measured.iter_times)[1])
     assert row["peak MiB/device"] > 100 and row["data ms"] < row["compute ms"]
+    # the settings train.py runs with (config.derive): lr scaled from the reference batch to this one
+    derived = config.derive(cfg, 1, "cpu")
+    assert measured.lr == derived.lr == pytest.approx(cfg.lr * 2 / config.REFERENCE_BATCH)
+    factor = engine.lr_schedule(cfg.warmup_steps, bench.harness.SCHEDULE_STEPS)
+    assert [r.lr for r in seen] == pytest.approx([derived.lr * factor(r.step - 1) for r in seen])
     with pytest.raises(ValueError, match="natural, fixed or varying"):
         bench.measure(cfg, steps=1, warmup=0, shape="square")
 
@@ -71,19 +77,19 @@ def test_sweep_reports_each_setting_and_what_made_no_difference():
 def test_knob_note_compares_rows_that_differ_only_in_that_knob():
     rows = [{"setting": f"w{w} p{p}", "img/s": speed, "knobs": {"workers": w, "persistent": p}}
             for w, p, speed in [(0, False, 10.0), (1, False, 10.2), (1, True, 13.0)]]
-    assert "no measurable difference" in bench._knob_note(rows[:2], "workers", "the loader keeps up.")
-    note = bench._knob_note(rows, "persistent", "")
+    assert "no measurable difference" in sweeps.knob_note(rows[:2], "workers", "the loader keeps up.")
+    note = sweeps.knob_note(rows, "persistent", "")
     assert "27%" in note and "best of those: w1 pTrue" in note
     sized = [{"setting": f"{size} px", "img/s": 100.0 / size, "knobs": {"min_size": size, "max_size": size, "steps": steps}}
              for size, steps in [(64, 8), (128, 4)]]
-    assert "fewer than two" in bench._knob_note(sized, "min_size", "")
-    assert "100% difference" in bench._knob_note(sized, "min_size", "", moves_with=("max_size",))
-    assert "fewer than two" in bench._knob_note(rows[:1], "workers", "")
+    assert "fewer than two" in sweeps.knob_note(sized, "min_size", "")
+    assert "100% difference" in sweeps.knob_note(sized, "min_size", "", moves_with=("max_size",))
+    assert "fewer than two" in sweeps.knob_note(rows[:1], "workers", "")
 
 
 def test_result_round_trips_and_renders(tmp_path):
     result = bench.BenchResult("amp", "AMP", [{"setting": "fp32", "img/s": 2.0, "peak MiB/device": 900.0}],
-                               bench.SWEEP_COLUMNS, ["bf16 skipped: no bf16 instructions"], bench.provenance("test"))
+                               bench.SWEEP_COLUMNS, ["bf16 skipped: no bf16 instructions"], hardware.provenance("test"))
     again = bench.BenchResult.load(result.save(tmp_path / "r.json"))
     assert again == result
     assert "| fp32 | 2 |" in again.to_markdown() and "- bf16 skipped" in again.to_markdown()

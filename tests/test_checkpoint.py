@@ -13,6 +13,7 @@ import torch
 
 from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
 from maskrcnn_tut import checkpoint as ckpt
+from maskrcnn_tut.errors import CheckpointError
 
 CONFIG = {"backbone": "resnet18", "norm": "bn", "sync_bn": False, "fpn_channels": 128, "mask_head_layers": 2,
           "mask_head_channels": 128, "box_head_dim": 256, "num_classes": 4,
@@ -70,7 +71,7 @@ def test_a_failed_write_raises_and_keeps_the_previous_checkpoint(tmp_path, monke
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(ckpt.CheckpointError, match=r"step_0000004.pt: cannot be written \(No space left"):
+    with pytest.raises(CheckpointError, match=r"step_0000004.pt: cannot be written \(No space left"):
         ckpt.save(tmp_path, _payload(4), 4, keep=2)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "step_0000002.pt"]
@@ -82,7 +83,7 @@ def test_truncated_checkpoint_is_named_and_auto_resume_falls_back_with_a_warning
         ckpt.save(tmp_path, _payload(step), step, keep=2)
     newest = tmp_path / "step_0000004.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncates last.pt too (hard link)
-    with pytest.raises(ckpt.CheckpointError, match=rf"{newest}: cannot be loaded"):
+    with pytest.raises(CheckpointError, match=rf"{newest}: cannot be loaded"):
         ckpt.load(newest)
     with caplog.at_level(logging.WARNING, logger="maskrcnn_tut.checkpoint"):
         path, payload = ckpt.newest_loadable(tmp_path)
@@ -96,20 +97,20 @@ def test_loading_refuses_pickled_code_and_foreign_files(tmp_path):
             return (os.system, ("echo pwned",))
 
     torch.save({"model": {}, "state": {}, "payload": Sneaky()}, tmp_path / "sneaky.pt")
-    with pytest.raises(ckpt.CheckpointError, match=r"sneaky.pt: cannot be loaded \(UnpicklingError"):
+    with pytest.raises(CheckpointError, match=r"sneaky.pt: cannot be loaded \(UnpicklingError"):
         ckpt.load(tmp_path / "sneaky.pt")
     torch.save({"weights": torch.ones(2)}, tmp_path / "foreign.pt")
-    with pytest.raises(ckpt.CheckpointError, match="foreign.pt: not a maskrcnn_tut checkpoint"):
+    with pytest.raises(CheckpointError, match="foreign.pt: not a maskrcnn_tut checkpoint"):
         ckpt.load(tmp_path / "foreign.pt")
-    with pytest.raises(ckpt.CheckpointError, match="missing.pt: checkpoint not found"):
+    with pytest.raises(CheckpointError, match="missing.pt: checkpoint not found"):
         ckpt.load(tmp_path / "missing.pt")
 
 
 def test_a_checkpoint_of_another_model_is_refused_saying_what_differs(tmp_path):
-    ckpt.check_compatible(CONFIG, dict(CONFIG), tmp_path / "x.pt")
+    ckpt.check_compatible({"config": CONFIG}, dict(CONFIG), tmp_path / "x.pt")
     other = CONFIG | {"backbone": "resnet34", "class_names": ["square", "circle", "star"]}
-    with pytest.raises(ckpt.CheckpointError) as err:
-        ckpt.check_compatible(CONFIG, other, tmp_path / "x.pt")
+    with pytest.raises(CheckpointError) as err:
+        ckpt.check_compatible({"config": CONFIG}, other, tmp_path / "x.pt")
     message = str(err.value)
     assert message.startswith("--resume:") and "backbone: checkpoint 'resnet18' vs run 'resnet34'" in message
     assert "'triangle'" in message and "'star'" in message and "num_classes" not in message
@@ -127,10 +128,10 @@ def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
 
     import numpy as np
 
-    state = ckpt.rng_state()
+    state = ckpt.rng_state(torch.device("cpu"))
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     torch.save({"rng": state}, tmp_path / "rng.pt")
-    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"], torch.device("cpu"))
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
 
 
@@ -160,3 +161,23 @@ def test_resume_auto_from_the_command_line_skips_a_corrupt_newest_checkpoint(sha
     assert resumed["state"]["step"] == 2
     assert max(float((resumed["model"][k].double() - v.double()).abs().max()) for k, v in expected.items()
                if v.numel()) <= 1e-6
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB tmpfs (needs root, as CI and the development machine run)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_during_a_real_save_is_one_error_and_keeps_the_previous_checkpoint(small_disk):
+    ckpt.save(small_disk, _payload(2), 2, keep=2)
+    too_big = _payload(4) | {"model": {"w": torch.zeros(2**19)}}  # 2 MiB of weights on a 1 MiB disk
+    with pytest.raises(CheckpointError, match=r"step_0000004.pt: cannot be written"):
+        ckpt.save(small_disk, too_big, 4, keep=2)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["last.pt", "step_0000002.pt"]
+    assert ckpt.load(small_disk / "last.pt")["state"]["step"] == 2

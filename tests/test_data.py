@@ -1,6 +1,7 @@
 """The shapes dataset is real COCO and goes through the same loader users' data goes through."""
 import json
 
+import pytest
 import torch
 from pycocotools import mask as mask_utils
 
@@ -8,22 +9,22 @@ from maskrcnn_tut.config import make_config
 from maskrcnn_tut.data.coco import CocoDetection, coco_paths
 from maskrcnn_tut.data.loader import build_train_loader, train_transforms
 from maskrcnn_tut.data.shapes import write_split
+from maskrcnn_tut.errors import DataError
 
 
-def test_shapes_are_deterministic_coco_with_polygons_and_rle(tmp_path, shapes_root):
+def test_shapes_are_deterministic_coco_with_polygons(tmp_path, shapes_root):
     again = write_split(tmp_path, "train", 60, seed=0, progress=False)
     original = shapes_root / "annotations" / "instances_train2017.json"
     assert json.loads(again.read_text()) == json.loads(original.read_text())
     data = json.loads(original.read_text())
-    kinds = {type(a["segmentation"]).__name__ for a in data["annotations"]}
-    assert kinds == {"list", "dict"}  # polygons for whole shapes, RLE for partly hidden ones
+    assert {type(a["segmentation"]).__name__ for a in data["annotations"]} == {"list"}  # as COCO: polygons
+    assert any(len(a["segmentation"]) > 1 for a in data["annotations"])  # a shape cut in pieces
     assert {c["name"] for c in data["categories"]} == {"square", "circle", "triangle"}
-    for ann in data["annotations"][:20]:
+    for ann in data["annotations"]:
         img = next(i for i in data["images"] if i["id"] == ann["image_id"])
-        seg = ann["segmentation"]
-        rle = (mask_utils.merge(mask_utils.frPyObjects(seg, img["height"], img["width"])) if isinstance(seg, list)
-               else seg | {"counts": seg["counts"].encode()})
-        assert abs(int(mask_utils.area(rle)) - ann["area"]) <= 0.15 * ann["area"] + 8
+        rle = mask_utils.merge(mask_utils.frPyObjects(ann["segmentation"], img["height"], img["width"]))
+        assert int(mask_utils.area(rle)) == ann["area"]  # area and box of the decoded mask, as COCO
+        assert [float(v) for v in mask_utils.toBbox(rle)] == ann["bbox"]
 
 
 def test_targets_masks_follow_a_flip(shapes_root):
@@ -84,3 +85,16 @@ def test_resumed_loader_skips_consumed_batches(shapes_root):
     loader.batch_sampler.set_epoch(2, skip=3)
     resumed = [[t["image_id"] for t in targets] for _, targets in loader]
     assert resumed == full[3:]
+
+
+def test_a_dataset_smaller_than_one_global_batch_is_one_line_data_error(shapes_root):
+    dataset = CocoDetection(*coco_paths(shapes_root, "val"))
+    batch_size = len(dataset) // 2 + 1
+    cfg = make_config("cpu-tiny", workers=0, batch_size=batch_size)
+    assert len(build_train_loader(dataset, cfg, 0, 1)) >= 1  # fits one process
+    with pytest.raises(DataError) as caught:
+        build_train_loader(dataset, cfg, 0, 2)
+    message = str(caught.value)
+    assert f"{len(dataset)} usable training images" in message and "\n" not in message
+    assert f"--batch-size {batch_size} on 2 process(es)" in message
+    assert caught.value.exit_code == 2

@@ -2,8 +2,10 @@
 reports each one, training on it works, and data that leaves nothing to train on stops the run
 before heavy work with one line and exit code 2."""
 import json
+import logging
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,9 +14,13 @@ from PIL import Image
 
 from broken_coco import EXIF_REFERENCE, write_broken_coco
 from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+from maskrcnn_tut.config import make_config
 from maskrcnn_tut.data import check
-from maskrcnn_tut.data.coco import PROBLEMS, CocoDetection, DataError, coco_paths, read_rgb
+from maskrcnn_tut.data.clean import PROBLEMS
+from maskrcnn_tut.data.coco import LOAD_FAILED_KEY, CocoDetection, coco_paths, read_rgb
+from maskrcnn_tut.data.loader import batch_stream, build_train_loader, train_transforms
 from maskrcnn_tut.distributed import free_port
+from maskrcnn_tut.errors import DataError
 
 #: Kinds that only happen while training runs (a file that breaks after the start-up scan).
 RUNTIME_KINDS = {"load_failed"}
@@ -65,16 +71,43 @@ def test_sixteen_bit_image_keeps_its_grey_levels(broken):
     assert (decoded[..., 0] == decoded[..., 2]).all()
 
 
-def test_a_file_that_breaks_after_the_scan_is_replaced_by_the_next_image(tmp_path, shapes_root):
+def _copy_with_a_file_broken_after_the_scan(shapes_root, tmp_path, **kwargs) -> CocoDetection:
     root = tmp_path / "copy"
     shutil.copytree(shapes_root, root)
-    dataset = CocoDetection(*coco_paths(root, "val"), train=True)
+    dataset = CocoDetection(*coco_paths(root, "val"), train=True, **kwargs)
     broken_file = root / "val2017" / dataset.images[0]["file_name"]
     broken_file.write_bytes(broken_file.read_bytes()[:100])
-    with pytest.warns(UserWarning, match="failed to decode"):
+    return dataset
+
+
+def _decode_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "failed to decode" in r.getMessage()]
+
+
+def test_a_file_that_breaks_after_the_scan_is_replaced_by_the_next_image(tmp_path, shapes_root, caplog):
+    dataset = _copy_with_a_file_broken_after_the_scan(shapes_root, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="maskrcnn_tut.data.coco"):
         image, target = dataset[0]
-    assert target["image_id"] == dataset.images[1]["id"]
-    assert dataset.report.counts["load_failed"] == 1
+        again, _ = dataset[0]
+    assert target["image_id"] == dataset.images[1]["id"] and LOAD_FAILED_KEY not in target
+    assert dataset.report.counts["load_failed"] == 2  # every failure counted...
+    assert len(_decode_warnings(caplog)) == 1  # ...but logged once per image
+
+
+def test_decode_failures_in_worker_processes_are_counted_in_the_main_process(tmp_path, shapes_root, caplog):
+    dataset = _copy_with_a_file_broken_after_the_scan(shapes_root, tmp_path, transforms=train_transforms())
+    cfg = make_config("cpu-tiny", workers=1, batch_size=1, aspect_ratio_group_factor=-1)
+    loader = build_train_loader(dataset, cfg, 0, 1)
+    assert loader.num_workers == 1 and len(loader) == len(dataset)  # every image, every epoch
+    state = SimpleNamespace(epoch=0, batch_in_epoch=0)
+    stream = batch_stream(loader, state)
+    with caplog.at_level(logging.WARNING, logger="maskrcnn_tut.data.coco"):
+        batches = [next(stream) for _ in range(2 * len(loader))]
+    assert (state.epoch, state.batch_in_epoch) == (1, len(loader))
+    assert dataset.report.counts["load_failed"] == 2  # once per epoch, in this process's report
+    assert dataset.report.examples["load_failed"] == [dataset.images[0]["id"]]
+    assert all(LOAD_FAILED_KEY not in t for _, targets in batches for t in targets)  # stripped
+    assert len(_decode_warnings(caplog)) == 1
 
 
 def test_check_prints_a_row_for_every_problem_kind(broken):

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from maskrcnn_tut import distributed as du
-from maskrcnn_tut.checks import TinyDetector, toy_batches
-from maskrcnn_tut.config import make_config
-from maskrcnn_tut.engine import TrainState, UnusedParametersError, build_optimizer, make_scaler, train_step
+from maskrcnn_tut.config import derive, make_config
+from maskrcnn_tut.engine import TrainState, build_optimizer, make_scaler, train_step
+from maskrcnn_tut.errors import UnusedParametersError
+from maskrcnn_tut.proofs import TinyDetector, toy_batches
 
 DEFAULTS: dict = {}
 CHANGED = dict(bucket_cap_mb=1.5, gradient_as_bucket_view=False, static_graph=True, broadcast_buffers=False,
@@ -41,8 +42,8 @@ def ddp_attributes(settings: list[dict]) -> list[dict]:
 
 def train_with_unused_layer(find_unused_parameters: bool) -> str:
     """Three engine steps of a DDP model with an unused layer: 'trained' or the error's message."""
-    cfg = make_config("cpu-tiny", find_unused_parameters=find_unused_parameters, optimizer="sgd", lr=0.01,
-                      pin_memory=False)
+    cfg = derive(make_config("cpu-tiny", find_unused_parameters=find_unused_parameters, optimizer="sgd", lr=0.01),
+                 du.info().world_size, "cpu")
     torch.manual_seed(0)
     model = du.wrap_ddp(DetectorWithUnusedLayer(), cfg, du.info())
     optimizer = build_optimizer(model, cfg)

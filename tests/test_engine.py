@@ -5,29 +5,31 @@ import math
 import pytest
 import torch
 
-from maskrcnn_tut import checks, distributed
-from maskrcnn_tut.config import make_config
-from maskrcnn_tut.engine import (NonFiniteLossError, TrainState, amp_dtype, build_optimizer, lr_schedule,
-                                 make_scaler, train_step)
+import time
+
+from maskrcnn_tut import distributed, proofs
+from maskrcnn_tut.config import derive, make_config
+from maskrcnn_tut.engine import TrainState, amp_dtype, build_optimizer, lr_schedule, make_scaler, train_step
+from maskrcnn_tut.errors import NonFiniteLossError
 
 
 @pytest.mark.parametrize("accum_steps,batch_size", [(2, 3), (4, 2)])
 def test_accumulated_gradients_equal_the_large_batch(accum_steps, batch_size):
-    assert checks.accumulation_check(accum_steps, batch_size) < 1e-6
+    assert proofs.accumulation_check(accum_steps, batch_size) < 1e-6
 
 
 def test_accumulation_is_not_a_sum_of_unscaled_losses():
     """The check can fail: gradients of K unscaled micro-losses are K times too large."""
-    batches = checks.toy_batches(4, 2)
+    batches = proofs.toy_batches(4, 2)
     torch.manual_seed(0)
-    model = checks.TinyDetector()
-    accumulated = checks.accumulated_gradients(model, batches, 4)
+    model = proofs.TinyDetector()
+    accumulated = proofs.accumulated_gradients(model, batches, 4)
     unscaled = {k: 4 * v for k, v in accumulated.items()}
-    assert checks.max_abs_difference(accumulated, unscaled) > 1e-4
+    assert proofs.max_abs_difference(accumulated, unscaled) > 1e-4
 
 
 def test_ddp_accumulation_across_two_processes_syncs_once_per_step():
-    result = distributed.launch(checks.ddp_accumulation_check, 2, 4, 2)
+    result = distributed.launch(proofs.ddp_accumulation_check, 2, 4, 2)
     assert result["max_abs_diff"] < 1e-6
     assert result["allreduce_calls_accumulated"] == 1  # one bucket, one sync per optimizer step
     assert result["allreduce_calls_every_micro_step"] == 4
@@ -43,13 +45,15 @@ def test_warmup_then_cosine_schedule():
 
 def test_amp_dtype_follows_the_device():
     cfg = make_config("cpu-tiny", amp=True)
-    assert amp_dtype(cfg, torch.device("cpu")) == torch.bfloat16
-    assert amp_dtype(cfg, torch.device("cuda")) == torch.float16
-    assert amp_dtype(make_config("cpu-tiny"), torch.device("cpu")) is None
-    assert not make_scaler(cfg, torch.device("cpu")).is_enabled()  # bf16 needs no GradScaler
+    assert amp_dtype(derive(cfg, 1, "cpu")) == torch.bfloat16
+    assert amp_dtype(derive(cfg, 1, "cuda")) == torch.float16
+    assert amp_dtype(derive(make_config("cpu-tiny"), 1, "cpu")) is None
+    assert not make_scaler(derive(cfg, 1, "cpu"), torch.device("cpu")).is_enabled()  # bf16 needs no GradScaler
+    with pytest.raises(ValueError, match="config.derive"):
+        amp_dtype(cfg)  # an underived config has no precision: the engine refuses to guess
 
 
-class _NanModel(checks.TinyDetector):
+class _NanModel(proofs.TinyDetector):
     def forward(self, images, targets):
         losses = super().forward(images, targets)
         losses["loss_other"] = losses["loss_other"] * math.nan
@@ -57,19 +61,40 @@ class _NanModel(checks.TinyDetector):
 
 
 def test_nonfinite_loss_names_step_and_terms():
-    cfg = make_config("cpu-tiny", optimizer="sgd")
+    cfg = derive(make_config("cpu-tiny", optimizer="sgd"), 1, "cpu")
     model = _NanModel()
     optimizer = build_optimizer(model, cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(NonFiniteLossError, match=r"step 1 on rank\(s\) \[0\].*loss_other=nan"):
-        train_step(model, optimizer, make_scaler(cfg, torch.device("cpu")), iter(checks.toy_batches(1, 2)),
+        train_step(model, optimizer, make_scaler(cfg, torch.device("cpu")), iter(proofs.toy_batches(1, 2)),
                    cfg, torch.device("cpu"), TrainState(), [])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # no update applied
 
 
 def test_skip_nonfinite_skips_and_counts():
-    cfg = make_config("cpu-tiny", optimizer="sgd", skip_nonfinite=1)
+    cfg = derive(make_config("cpu-tiny", optimizer="sgd", skip_nonfinite=1), 1, "cpu")
     model, state = _NanModel(), TrainState()
     record = train_step(model, build_optimizer(model, cfg), make_scaler(cfg, torch.device("cpu")),
-                        iter(checks.toy_batches(1, 2)), cfg, torch.device("cpu"), state, [])
+                        iter(proofs.toy_batches(1, 2)), cfg, torch.device("cpu"), state, [])
     assert record.skipped and state.nonfinite_skipped == 1 and state.step == 1
+
+
+class _SlowForward(proofs.TinyDetector):
+    def forward(self, images, targets):
+        time.sleep(0.2)
+        return super().forward(images, targets)
+
+
+def test_the_step_records_this_rank_forward_time_apart_from_the_rest():
+    cfg = derive(make_config("cpu-tiny", optimizer="sgd"), 1, "cpu")
+    model = _SlowForward()
+
+    def slow_batches():
+        for batch in proofs.toy_batches(1, 2):
+            time.sleep(0.3)  # waiting for data is not forward time
+            yield batch
+
+    record = train_step(model, build_optimizer(model, cfg), make_scaler(cfg, torch.device("cpu")), slow_batches(),
+                        cfg, torch.device("cpu"), TrainState(), [])
+    assert 0.2 <= record.rank_forward_times[0] < 0.3
+    assert record.data_time >= 0.3 and record.iter_time >= 0.5
