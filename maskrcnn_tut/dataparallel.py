@@ -18,9 +18,12 @@ constructing it raises `DataParallelUnavailable` with `explain_unavailable`'s pl
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from torch import nn
-from torch.nn.parallel import parallel_apply, replicate
+from torch.nn.parallel import replicate
 
 
 class DataParallelUnavailable(RuntimeError):
@@ -75,6 +78,38 @@ def gather_detections(outputs: list[list[dict]], device: torch.device) -> list[d
     return [move_to(detections, device) for chunk in outputs for detections in chunk]
 
 
+def parallel_forward(replicas: list[nn.Module], inputs: list[tuple], devices: list[torch.device]) -> list:
+    """Each replica on its inputs in a thread of its own, under the caller's autocast *and dtype*.
+
+    torch's `parallel_apply` re-enters autocast in its threads with `enabled` only, so bfloat16
+    autocast silently became float16 there; this keeps the dtype (and grad mode) of the caller.
+    """
+    device_type = devices[0].type
+    enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    grad_enabled = torch.is_grad_enabled()
+    results: list = [None] * len(replicas)
+    errors: list[BaseException] = []
+
+    def work(index: int) -> None:
+        device = devices[index]
+        try:
+            with torch.set_grad_enabled(grad_enabled), \
+                    (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()), \
+                    torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                results[index] = replicas[index](*inputs[index])
+        except BaseException as err:  # re-raised in the calling thread below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 class DetectionDataParallel(nn.Module):
     """`nn.DataParallel` for models called as `model(images, targets)` with lists (see module doc)."""
 
@@ -93,7 +128,7 @@ class DetectionDataParallel(nn.Module):
         inputs = [move_to(chunk if targets is not None else (chunk[0],), device)
                   for chunk, device in zip(chunks, devices)]
         replicas = replicate(self.module, devices, not torch.is_grad_enabled())
-        outputs = parallel_apply(replicas, inputs, devices=devices)
+        outputs = parallel_forward(replicas, inputs, devices)
         if self.training:
             return gather_losses(outputs, [len(chunk[0]) for chunk in chunks], self.devices[0])
         return gather_detections(outputs, self.devices[0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from maskrcnn_tut.dataparallel import (DataParallelUnavailable, DetectionDataParallel, explain_unavailable,
+from maskrcnn_tut.dataparallel import (DataParallelUnavailable, DetectionDataParallel, explain_unavailable, parallel_forward,
                                        gather_detections, gather_losses, move_to, split_batch)
 
 
@@ -66,3 +66,19 @@ def test_fewer_than_two_gpus_explains_plainly():
     with pytest.raises(DataParallelUnavailable, match=rf"needs >= 2 GPUs; this machine has {gpus}\."):
         DetectionDataParallel(torch.nn.Linear(1, 1))
     assert "DDP" in explain_unavailable(gpus) and "1.88x" in explain_unavailable(gpus)
+
+
+class _AutocastProbe(torch.nn.Module):
+    """Reports the autocast state its forward runs under."""
+
+    def forward(self, x):
+        return torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_grad_enabled()
+
+
+def test_replicas_run_under_the_callers_autocast_dtype():
+    """torch's parallel_apply re-enters autocast without the dtype (bf16 became fp16); ours keeps it."""
+    replicas, devices = [_AutocastProbe(), _AutocastProbe()], [torch.device("cpu")] * 2
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        seen = parallel_forward(replicas, [(torch.ones(1),), (torch.ones(1),)], devices)
+    assert seen == [(True, torch.bfloat16, False)] * 2
+    assert parallel_forward(replicas, [(torch.ones(1),)] * 2, devices)[0][0] is False

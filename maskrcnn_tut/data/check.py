@@ -1,17 +1,19 @@
 """Validate a COCO dataset before training: `python -m maskrcnn_tut.data.check --data-path ROOT`.
 
-Runs the checks training runs at start-up (`CocoDetection`'s cleaning) on each split and prints a
-table per split: how many of each problem kind, example ids, and what training will do about
-them. Exit code 0 when training can use the data (after the repairs listed), 2 when a split
-leaves nothing to train on or evaluate, with one line saying why.
+Runs the checks training runs at start-up (`maskrcnn_tut.data.clean`'s rules, through
+`CocoDetection`) on each split and prints a table per split: how many of each problem kind,
+example ids, and what training will do about them. Exit code 0 when training can use the data
+(after the repairs listed); on bad settings or a split that leaves nothing to train on or
+evaluate, one line `error: ...` and the error's exit code (2).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ..config import ConfigError, make_config, validate
-from .coco import CocoDetection, DataError
+from ..config import make_config, validate
+from ..errors import UserError
+from .coco import CocoDetection
 from .loader import dataset_paths
 
 SPLITS = ("train", "val")
@@ -65,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         validate(cfg, cuda_available=False)
         for split in SPLITS:
             print(format_report(split, check_split(cfg, split, args.verify_pixels)), end="\n\n")
-    except (ConfigError, DataError) as err:
+    except UserError as err:  # bad settings or data; anything else is a bug and keeps its traceback
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     return 0
 
 

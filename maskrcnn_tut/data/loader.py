@@ -3,20 +3,21 @@
 Batches stay uint8 on the host (four times less to copy than float32); `to_device` converts them
 to float on the device. Sampling is deterministic given (seed, epoch), and `ResumableBatches`
 can skip the batches a resumed run has already seen, so a restart continues the same sequence.
+`batch_stream` is how training reads batches: forever, epoch after epoch, counting in the main
+process the images that failed to decode inside worker processes.
 """
 from __future__ import annotations
 
 import bisect
-import math
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
-from torchvision import tv_tensors
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler, Subset
 from torchvision.transforms import v2
 
-from .coco import CocoDetection, coco_paths
+from ..errors import DataError
+from .coco import LOAD_FAILED_KEY, CocoDetection, coco_paths
 
 
 def train_transforms() -> v2.Transform:
@@ -114,8 +115,9 @@ def build_train_loader(dataset: CocoDetection, cfg, rank: int, world_size: int) 
     else:
         batches = torch.utils.data.BatchSampler(sampler, cfg.batch_size, drop_last=True)
     if len(batches) == 0:
-        raise ValueError(f"the training set has {len(dataset)} usable images: too few for "
-                         f"--batch-size {cfg.batch_size} on {world_size} process(es)")
+        raise DataError(f"{dataset.ann_file}: {len(dataset)} usable training images, fewer than one batch "
+                        f"of --batch-size {cfg.batch_size} on {world_size} process(es) (needs "
+                        f"{cfg.batch_size * world_size}): lower --batch-size or use fewer processes")
     return DataLoader(dataset, batch_sampler=ResumableBatches(batches, cfg.seed),
                       **loader_kwargs(cfg.workers, bool(cfg.pin_memory), cfg.persistent_workers,
                                       cfg.prefetch_factor))
@@ -147,5 +149,28 @@ def steps_per_epoch(loader: DataLoader, accum_steps: int) -> int:
     return max(len(loader.batch_sampler) // accum_steps, 1)
 
 
-def epochs_for(max_steps: int, loader: DataLoader, accum_steps: int) -> int:
-    return math.ceil(max_steps / steps_per_epoch(loader, accum_steps))
+def _base_dataset(dataset):
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return dataset
+
+
+def batch_stream(loader: DataLoader, state) -> Iterator:
+    """Batches forever, epoch after epoch, starting at `state`'s position; keeps `state` current.
+
+    `state` has `epoch` and `batch_in_epoch` (a `TrainState`). Decode failures that samples carry
+    from worker processes (`LOAD_FAILED_KEY`) are stripped from the targets and counted in the
+    dataset's `report` here, in the main process (a worker's copy of the report is never read).
+    """
+    dataset = _base_dataset(loader.dataset)
+    while True:
+        loader.batch_sampler.set_epoch(state.epoch, skip=state.batch_in_epoch)
+        for batch in loader:
+            for target in batch[1]:
+                failures = target.pop(LOAD_FAILED_KEY, None)
+                if failures:
+                    dataset.record_load_failures(failures)
+            state.batch_in_epoch += 1
+            yield batch
+        state.epoch += 1
+        state.batch_in_epoch = 0

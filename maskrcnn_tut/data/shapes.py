@@ -2,8 +2,13 @@
 
 The images and `instances_{split}2017.json` files land in the same layout as COCO itself, so the
 shapes go through exactly the loader (`maskrcnn_tut.data.coco`) that a user's own data goes
-through. Unoccluded shapes are annotated with polygons, partly hidden ones with RLE masks of their
-visible pixels, so both COCO segmentation encodings are exercised.
+through, and any COCO tool (pycocotools, torchvision's `CocoDetection` and detection reference)
+reads them. As in COCO's own files, every instance (`iscrowd: 0`) is annotated with polygons: a
+partly hidden shape with the polygons of its visible region, computed exactly with shapely (the
+shape minus the shapes drawn after it, cut into hole-free pieces where one lies inside it).
+Shapes are painted with pycocotools' polygon rasterization, so the pixels of each shape are the
+mask its annotation decodes to (up to where hidden regions meet: IoU >= 0.9 per instance, 0.99
+typically; `tests/test_shapes_coco.py`).
 """
 from __future__ import annotations
 
@@ -14,8 +19,10 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
 from pycocotools import mask as mask_utils
+from shapely.geometry import LineString, Polygon
+from shapely.ops import split
 from tqdm.auto import tqdm
 
 CATEGORIES = [
@@ -24,7 +31,11 @@ CATEGORIES = [
     {"id": 3, "name": "triangle", "supercategory": "shape"},
 ]
 SIDES = (112, 128, 144, 160)
-FORMAT_VERSION = 1
+#: Part of the cache folder's name: bump it whenever what is written changes, so old data is not reused.
+#: 2: polygons for every instance (1 wrote partly hidden shapes as compressed RLE), pycocotools painting.
+FORMAT_VERSION = 2
+#: Instances whose visible region has fewer pixels are not annotated (a sliver teaches nothing).
+MIN_AREA = 16
 
 
 def default_cache_dir() -> Path:
@@ -37,26 +48,26 @@ def shapes_root(n_train: int, n_val: int, seed: int, cache_dir: Path | None = No
 
 
 def _shape_polygon(kind: int, cx: float, cy: float, r: float, angle: float) -> list[tuple[float, float]]:
+    """Corners rounded as the json writes them, so the painted shape is the one annotated."""
     corners = {1: 4, 2: 48, 3: 3}[kind]
-    return [(cx + r * math.cos(angle + 2 * math.pi * k / corners),
-             cy + r * math.sin(angle + 2 * math.pi * k / corners)) for k in range(corners)]
+    return [(round(cx + r * math.cos(angle + 2 * math.pi * k / corners), 2),
+             round(cy + r * math.sin(angle + 2 * math.pi * k / corners), 2)) for k in range(corners)]
 
 
 def _polygon_mask(points: list[tuple[float, float]], width: int, height: int) -> np.ndarray:
-    canvas = Image.new("L", (width, height), 0)
-    ImageDraw.Draw(canvas).polygon(points, fill=1)
-    return np.asarray(canvas, dtype=bool)
+    """The pixels pycocotools (so every COCO tool) decodes the polygon to."""
+    rle = mask_utils.frPyObjects([[v for point in points for v in point]], height, width)
+    return mask_utils.decode(rle)[..., 0].astype(bool)
 
 
 def render_image(rng: np.random.Generator) -> tuple[Image.Image, list[dict]]:
-    """One image and its instances: dicts with `category_id`, `polygon` and visible `mask`."""
+    """One image and its instances: dicts with `category_id`, `polygon`, the visible `mask` and
+    the `visible` region (a shapely geometry: the polygon minus the shapes drawn after it)."""
     width, height = int(rng.choice(SIDES)), int(rng.choice(SIDES))
     background = rng.integers(0, 256, size=3)
     ramp = np.linspace(-30, 30, height)[:, None, None] * rng.choice([-1, 1])
     noise = rng.normal(0, 8, size=(height, width, 3))
     pixels = np.clip(background[None, None, :] + ramp + noise, 0, 255).astype(np.uint8)
-    image = Image.fromarray(pixels)
-    draw = ImageDraw.Draw(image)
     shapes: list[dict] = []
     for _ in range(int(rng.integers(1, 4))):
         for _attempt in range(10):  # place it so that it hides at most half of any earlier shape
@@ -72,26 +83,63 @@ def render_image(rng: np.random.Generator) -> tuple[Image.Image, list[dict]]:
         color = rng.integers(0, 256, size=3)
         while np.abs(color - background).sum() < 150:  # keep shapes visible against the background
             color = rng.integers(0, 256, size=3)
-        draw.polygon(polygon, fill=tuple(int(c) for c in color))
+        pixels[full] = color.astype(np.uint8)
+        region = Polygon(polygon)
         for earlier in shapes:
             earlier["mask"] &= ~full
-        shapes.append({"category_id": kind, "polygon": polygon, "mask": full})
-    return image, shapes
+            earlier["visible"] = earlier["visible"].difference(region)
+        shapes.append({"category_id": kind, "polygon": polygon, "mask": full, "visible": region})
+    return Image.fromarray(pixels), shapes
+
+
+def _hole_free(polygon: Polygon) -> list[Polygon]:
+    """`polygon` cut into pieces without holes (a COCO polygon has none; the pieces' union is it).
+
+    Each cut is a vertical line through a hole, on a pixel edge where the hole allows, so no pixel
+    centre lies on the seam between two pieces."""
+    todo, pieces = [polygon], []
+    while todo:
+        piece = todo.pop()
+        if not piece.interiors:
+            pieces.append(piece)
+            continue
+        hole = Polygon(piece.interiors[0])
+        _, y0, _, y1 = piece.bounds
+        x = hole.representative_point().x  # strictly inside the hole
+        cut = LineString([(round(x), y0 - 1), (round(x), y1 + 1)])
+        if cut.intersection(hole).length == 0:  # the pixel edge misses this hole
+            cut = LineString([(x, y0 - 1), (x, y1 + 1)])
+        cut_pieces = [g for g in split(piece, cut).geoms if isinstance(g, Polygon)]
+        if len(cut_pieces) < 2:
+            raise RuntimeError(f"could not cut a hole out of {piece.wkt}")
+        todo.extend(cut_pieces)
+    return pieces
+
+
+def coco_polygons(region) -> list[list[float]]:
+    """A shapely (multi)polygon as a COCO polygon list: [[x1, y1, x2, y2, ...], ...], one flat,
+    open ring per hole-free piece, coordinates to 2 decimals."""
+    parts = [g for g in getattr(region, "geoms", [region]) if isinstance(g, Polygon) and not g.is_empty]
+    polygons = []
+    for piece in (p for part in parts for p in _hole_free(part)):
+        ring = [(round(x, 2), round(y, 2)) for x, y in piece.exterior.coords[:-1]]
+        if len(set(ring)) >= 3:
+            polygons.append([v for point in ring for v in point])
+    return polygons
 
 
 def _annotation(shape: dict, image_id: int, ann_id: int) -> dict | None:
-    mask = shape["mask"]
-    area = int(mask.sum())
-    if area < 16:
+    height, width = shape["mask"].shape
+    if int(shape["mask"].sum()) < MIN_AREA:
         return None
-    ys, xs = np.nonzero(mask)
-    bbox = [float(xs.min()), float(ys.min()), float(xs.max() - xs.min() + 1), float(ys.max() - ys.min() + 1)]
-    full = _polygon_mask(shape["polygon"], mask.shape[1], mask.shape[0])
-    if (full == mask).all():
-        segmentation = [[round(v, 2) for point in shape["polygon"] for v in point]]
-    else:
-        rle = mask_utils.encode(np.asfortranarray(mask.astype(np.uint8)))
-        segmentation = {"size": rle["size"], "counts": rle["counts"].decode("ascii")}
+    segmentation = coco_polygons(shape["visible"])
+    if not segmentation:
+        return None
+    rle = mask_utils.merge(mask_utils.frPyObjects(segmentation, height, width))
+    area = int(mask_utils.area(rle))
+    if area == 0:
+        return None
+    bbox = [float(v) for v in mask_utils.toBbox(rle)]  # as COCO: area and box of the decoded mask
     return {"id": ann_id, "image_id": image_id, "category_id": shape["category_id"],
             "segmentation": segmentation, "area": area, "bbox": bbox, "iscrowd": 0}
 
