@@ -15,7 +15,6 @@ import logging
 import os
 import random
 import re
-import time
 from pathlib import Path
 
 import numpy as np
@@ -149,16 +148,33 @@ def newest_loadable(ckpt_dir: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def find_resume(resume: str | None, ckpt_dir: Path) -> tuple[Path, dict] | None:
+#: Settings that shape inference; `--test-only` takes them from the checkpoint unless typed.
+INFERENCE_KEYS = MODEL_KEYS[:-2] + ("min_size", "max_size", "rpn_pre_nms_top_n", "rpn_post_nms_top_n", "channels_last")
+
+
+def find_resume(resume: str | None, ckpt_dir: Path, test_only: bool = False) -> tuple[Path, dict] | None:
     """What `--resume` names: None (start fresh), 'auto' (the newest good checkpoint, if any) or a path."""
     if resume is None:
         return None
     if resume == "auto":
         found = newest_loadable(ckpt_dir)
+        if found is None and test_only:
+            raise CheckpointError(f"--test-only --resume auto: no checkpoint in {ckpt_dir} to evaluate")
         if found is None:
             log.info("--resume auto: no checkpoint in %s, starting fresh", ckpt_dir)
         return found
     return Path(resume), load(Path(resume))
+
+
+def inference_config(cfg: Config, payload: dict, path: Path) -> Config:
+    """`cfg` with every setting that shapes inference taken from the checkpoint, unless the user
+    typed it; logs what it used (a model trained at 288 px and scored at 192 px scores wrongly)."""
+    saved = payload.get("config") or {}
+    taken = {k: saved[k] for k in INFERENCE_KEYS if k in saved and k not in cfg.given}
+    cfg = dataclasses.replace(cfg, **taken)
+    log.info("--test-only: %s at step %s; inference settings %s", path, payload["state"].get("step"),
+             ", ".join(f"{k}={getattr(cfg, k)}{'' if k in taken else ' (typed)'}" for k in INFERENCE_KEYS))
+    return cfg
 
 
 def check_compatible(payload: dict, cfg: dict, path: Path) -> None:
@@ -179,10 +195,44 @@ def check_compatible(payload: dict, cfg: dict, path: Path) -> None:
                               f"with --optimizer {saved.get('optimizer')}, or start from it with --weights)")
 
 
-def restore_training(payload: dict, optimizer, scheduler, scaler, info) -> TrainState:
-    """Optimizer, schedule, GradScaler, position and this rank's RNG streams from a checkpoint."""
+def _resumed_position(state: TrainState, saved: dict, cfg: Config) -> TrainState:
+    """The checkpoint's place in its epoch, in this run's batch units (images per micro-step over
+    all ranks); refuses when no whole number of this run's batches lands on that place."""
+    before = saved.get("batch_size", cfg.batch_size) * saved.get("world_size", cfg.world_size)
+    now = cfg.batch_size * cfg.world_size
+    if before == now or state.batch_in_epoch == 0:
+        return state
+    consumed = state.batch_in_epoch * before
+    if consumed % now:
+        raise CheckpointError(f"--resume: the checkpoint stopped {consumed} images into epoch {state.epoch} with "
+                              f"{before} images per micro-step; this run's {now} (--batch-size {cfg.batch_size} x "
+                              f"{cfg.world_size} processes) cannot continue at that place without repeating or "
+                              "skipping images: resume with a batch that divides it, or after the epoch ends")
+    log.warning("--resume: %d images per micro-step instead of %d: continuing %d images into epoch %d",
+                now, before, consumed, state.epoch)
+    return dataclasses.replace(state, batch_in_epoch=consumed // now)
+
+
+def _apply_lr(optimizer, scheduler, saved_lr: float | None, lr: float) -> None:
+    """Put this run's lr into a resumed schedule (a checkpoint restores its own base lr)."""
+    if saved_lr is None or abs(saved_lr - lr) <= 1e-12 * max(abs(lr), 1.0):
+        return
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    factors = [fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
+    for group, factor in zip(optimizer.param_groups, factors):
+        group["lr"] = lr * factor
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    log.warning("--resume: lr %.4g (this run) instead of the checkpoint's %.4g, from step %d on",
+                lr, saved_lr, scheduler.last_epoch)
+
+
+def restore_training(payload: dict, optimizer, scheduler, scaler, info, cfg: Config) -> TrainState:
+    """Optimizer, schedule (at this run's lr), GradScaler, position (in this run's batch units)
+    and this rank's RNG streams from a checkpoint."""
+    saved = payload.get("config") or {}
     optimizer.load_state_dict(payload["optimizer"])
     scheduler.load_state_dict(payload["scheduler"])
+    _apply_lr(optimizer, scheduler, saved.get("lr"), cfg.lr)
     if scaler.is_enabled() and not payload["scaler"]:
         log.warning("resuming a run without fp16 GradScaler state with fp16 autocast: the scaler starts afresh")
     else:
@@ -193,7 +243,7 @@ def restore_training(payload: dict, optimizer, scheduler, scaler, info) -> Train
     elif info.is_main:
         log.warning("resuming on %d processes from a %d-process checkpoint: RNG streams reseeded",
                     info.world_size, len(rngs))
-    return TrainState(**payload["state"])
+    return _resumed_position(TrainState(**payload["state"]), saved, cfg)
 
 
 def model_from_run(output_dir: Path | str):
@@ -204,13 +254,3 @@ def model_from_run(output_dir: Path | str):
     model = build_model(dataclasses.replace(cfg, weights=None), saved["num_classes"])
     model.load_state_dict(load(out / "checkpoints" / "last.pt")["model"])
     return model.eval()
-
-
-def set_aside_old_run(ckpt_dir: Path) -> Path | None:
-    """A fresh run in a folder with checkpoints moves them aside rather than mixing or deleting."""
-    ckpt_dir = Path(ckpt_dir)
-    if not numbered(ckpt_dir):
-        return None
-    aside = ckpt_dir.with_name(f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.rename(ckpt_dir, aside)
-    return aside

@@ -93,12 +93,14 @@ class Config:
     keep_checkpoints: int = 2
     skip_nonfinite: int = 0
     progress: bool = True
+    overfit: int | None = None
     # resolved by `derive` for the processes of a run (not flags)
     world_size: int = 1
     global_batch_size: int = 0
     base_lr: float = 0.0
     device: str = "cpu"
     precision: str = ""
+    given: tuple[str, ...] = ()  # the settings the user typed (they win over a checkpoint's)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -150,6 +152,7 @@ def resolve(cfg: Config, explicit: set[str] | None = None) -> Config:
     if preset not in PRESETS:
         raise ConfigError(f"--preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     cfg.preset = preset
+    cfg.given = tuple(sorted(set(cfg.given) | explicit))
     for key, value in PRESETS[preset].items():
         if key not in explicit:
             setattr(cfg, key, value)
@@ -208,7 +211,7 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{flag_name(name)} must be a positive integer, got {getattr(cfg, name)}")
-    for name in ("max_steps", "eval_every"):
+    for name in ("max_steps", "eval_every", "overfit"):
         value = getattr(cfg, name)
         if value is not None and value <= 0:
             raise ConfigError(f"{flag_name(name)} must be a positive integer, got {value}")
@@ -264,7 +267,7 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
         root = Path(cfg.data_path)
         if not root.is_dir():
             raise ConfigError(f"--data-path {cfg.data_path}: no such directory")
-        for split in ("train", "val"):
+        for split in ("val",) if cfg.test_only else ("train", "val"):
             ann = root / "annotations" / f"instances_{split}2017.json"
             if getattr(cfg, f"{split}_json") is None and not ann.is_file():
                 raise ConfigError(f"--data-path {cfg.data_path}: no annotations/instances_{split}2017.json "

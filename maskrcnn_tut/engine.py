@@ -168,14 +168,16 @@ class StepRecord:
     iter_time: float
     rank_forward_times: list[float] = field(default_factory=list)  # each rank's own forward seconds
     skipped: bool = False
+    stop_requested: bool = False  # some rank was asked to stop (SIGTERM): every rank knows after this step
 
 
 def train_step(model, optimizer, scaler, batches: Iterator, cfg, device, state: TrainState,
-               term_names: list[str]) -> StepRecord:
+               term_names: list[str], stop_requested: bool = False) -> StepRecord:
     """One optimizer step: `accum_steps` forward/backward micro-steps, then clip and step.
 
     Returns the step's record; raises `NonFiniteLossError` on every rank when any rank's loss is
-    not finite (unless `--skip-nonfinite` still allows skipping it).
+    not finite (unless `--skip-nonfinite` still allows skipping it). `stop_requested` (this rank
+    was told to stop) travels in the shared all-reduce, so every rank stops after the same step.
     """
     start = time.perf_counter()
     info = du.info()
@@ -196,12 +198,13 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg, device, state: 
         term_names.extend(sorted(totals))
     # one small all-reduce: each rank fills its own row with its terms, a NaN flag and its times
     n = len(term_names)
-    shared = torch.zeros(info.world_size, n + 3, device=device)
+    shared = torch.zeros(info.world_size, n + 4, device=device)
     local = torch.stack([totals[name] for name in term_names])
     shared[info.rank, :n] = torch.nan_to_num(local, nan=0.0, posinf=0.0, neginf=0.0)
     shared[info.rank, n] = (~torch.isfinite(local)).any().float()
     shared[info.rank, n + 1] = forward_time
     shared[info.rank, n + 2] = data_time
+    shared[info.rank, n + 3] = float(stop_requested)
     du.all_reduce_sum(shared)
     shared = shared.cpu()
     bad_ranks = [r for r in range(info.world_size) if shared[r, n] > 0]
@@ -232,4 +235,5 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg, device, state: 
     return StepRecord(step=state.step, epoch=state.epoch, lr=optimizer.param_groups[0]["lr"],
                       loss=sum(mean_terms), terms=terms, data_time=float(shared[:, n + 2].max()),
                       iter_time=time.perf_counter() - start,
-                      rank_forward_times=shared[:, n + 1].tolist(), skipped=bool(bad_ranks))
+                      rank_forward_times=shared[:, n + 1].tolist(), skipped=bool(bad_ranks),
+                      stop_requested=bool(shared[:, n + 3].any()))

@@ -4,7 +4,8 @@ Each CLI (`train.py`, `python -m maskrcnn_tut.bench`, `python -m maskrcnn_tut.da
 `UserError` and nothing else: it prints `error: <message>` as one line and exits with the error's
 `exit_code`. Anything that is not a `UserError` is a bug of the package and keeps its traceback.
 
-Exit codes: 2 bad settings, data, checkpoint or benchmark; 3 non-finite loss; 4 another rank failed.
+Exit codes: 2 bad settings, data, checkpoint or benchmark; 3 non-finite loss; 4 another rank failed;
+143 (128 + SIGTERM, what schedulers expect) stopped by SIGTERM after saving a checkpoint.
 """
 from __future__ import annotations
 
@@ -61,4 +62,18 @@ class PeerFailure(UserError):
     """Another rank died or stopped answering within --dist-timeout, so this one stops too."""
 
     exit_code = 4
+    rank_specific = True
+
+
+class Preempted(UserError):
+    """SIGTERM arrived (a scheduler's preemption): the run saved a checkpoint after the current step
+    on every rank and stopped; nonzero, so a scheduler restarts it rather than calling it done."""
+
+    exit_code = 143
+
+
+class RendezvousError(UserError):
+    """The ranks could not join one group within --dist-timeout: a taken port, nothing answering
+    at MASTER_ADDR:MASTER_PORT, or a rank that never came; the message says which and what to do."""
+
     rank_specific = True

@@ -78,9 +78,11 @@ HELP = {
     "keep_checkpoints": "numbered checkpoints to keep besides last.pt",
     "skip_nonfinite": "skip up to N optimizer steps with a non-finite loss instead of stopping",
     "progress": "show a progress bar on rank 0",
+    "overfit": "the overfit check: train on the first N training images and evaluate on the same N "
+               "(proves data, labels and pipeline before a long run)",
 }
 
-_RESOLVED = {"world_size", "global_batch_size", "base_lr", "device", "precision"}
+_RESOLVED = {"world_size", "global_batch_size", "base_lr", "device", "precision", "given"}
 
 
 def _default_text(name: str, preset: str) -> str:

@@ -8,20 +8,26 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 
+import torch
+
 from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut import distributed as du
+from maskrcnn_tut import rundir
 from maskrcnn_tut.config import Config, derive, validate
+from maskrcnn_tut.data.coco import CocoDetection
 from maskrcnn_tut.data.loader import (batch_stream, build_datasets, build_eval_loader, build_train_loader,
-                                      steps_per_epoch)
+                                      dataset_paths, steps_per_epoch)
 from maskrcnn_tut.data.shapes import ensure_shapes_dataset
 from maskrcnn_tut.engine import (TrainState, autocast, build_optimizer, build_scheduler, configure_runtime,
                                  make_scaler, train_step)
-from maskrcnn_tut.errors import UserError
+from maskrcnn_tut.errors import Preempted, UserError
 from maskrcnn_tut.evaluate import coco_from_dict, evaluate
 from maskrcnn_tut.flags import parse_args
 from maskrcnn_tut.model import build_model
@@ -42,6 +48,41 @@ def prepare_paths(cfg: Config, info: du.DistInfo) -> Config:
     return cfg
 
 
+def stop_on_sigterm() -> threading.Event:
+    """An event SIGTERM sets (instead of killing the process mid-step), when this is the main thread."""
+    event = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: event.set())
+    return event
+
+
+def same_model_on_every_rank(model) -> None:
+    """Rank 0's buffers (BatchNorm running statistics) on every rank: after DDP training each rank
+    holds its own, and the shards of an evaluation must all be scored by the model the checkpoint saves."""
+    if torch.distributed.is_initialized():
+        for buffer in du.unwrap(model).buffers():
+            torch.distributed.broadcast(buffer, src=0)
+
+
+def evaluate_checkpoint(cfg: Config, info: du.DistInfo, found: tuple[Path, dict] | None) -> dict:
+    """`--test-only`: score the checkpoint (or --weights) at the settings it was trained with."""
+    if found is not None:
+        cfg = ckpt.inference_config(cfg, found[1], found[0])
+    val_set = CocoDetection(*dataset_paths(cfg, "val"), transforms=None, train=False)
+    model = build_model(cfg, val_set.num_classes).to(info.device)
+    if found is not None:
+        ckpt.check_compatible(found[1], cfg.to_dict() | {"num_classes": val_set.num_classes,
+                                                         "class_names": val_set.class_names}, found[0])
+        model.load_state_dict(found[1]["model"])
+    coco_gt = coco_from_dict(val_set.ground_truth()) if info.is_main else None
+    metrics = evaluate(model, build_eval_loader(val_set, cfg, info.rank, info.world_size), coco_gt, info.device,
+                       val_set.label_to_cat, amp_context=lambda: autocast(cfg, info.device),
+                       progress=info.is_main and cfg.progress)
+    if info.is_main:
+        print(json.dumps(metrics))
+    return metrics or {}
+
+
 def run(cfg: Config) -> dict:
     """The whole job in this process; returns the final metrics (on rank 0)."""
     # settings and processes: one process per GPU (or a share of the CPU cores each)
@@ -52,12 +93,15 @@ def run(cfg: Config) -> dict:
     configure_runtime(cfg, device)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
+    found = ckpt.find_resume(cfg.resume, ckpt_dir, cfg.test_only)
+    if cfg.test_only:
+        return evaluate_checkpoint(cfg, info, found)
+    rundir.claim(out, info)  # one run per output folder; a second one stops here naming the first
 
     # data: every rank cleans the same json the same way; rank 0 reports what it found
     train_set, val_set = build_datasets(cfg)
     cfg_dict = cfg.to_dict() | {"num_classes": train_set.num_classes, "class_names": train_set.class_names}
     if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
         for name, ds in (("train", train_set), ("val", val_set)):
             log.info("%s data %s: %d images; %s", name, ds.ann_file, len(ds), ds.report.summary())
     train_loader = build_train_loader(train_set, cfg, info.rank, info.world_size)
@@ -73,36 +117,29 @@ def run(cfg: Config) -> dict:
     scaler = make_scaler(cfg, device)
     state = TrainState()
 
-    # resume: an explicit checkpoint, or the newest good one in --output-dir
-    found = ckpt.find_resume(cfg.resume, ckpt_dir)
+    # resume: an explicit checkpoint, or the newest good one in --output-dir; else a fresh run
+    # that sets an earlier run in the same folder aside, whole
     if found is not None:
         path, payload = found
         ckpt.check_compatible(payload, cfg_dict, path)
         model.load_state_dict(payload["model"])
-        if not cfg.test_only:
-            state = ckpt.restore_training(payload, optimizer, scheduler, scaler, info)
+        state = ckpt.restore_training(payload, optimizer, scheduler, scaler, info, cfg)
         if info.is_main:
-            log.info("resumed from %s at step %d (epoch %d)", path, payload["state"]["step"], payload["state"]["epoch"])
-    elif info.is_main and not cfg.test_only:
-        aside = ckpt.set_aside_old_run(ckpt_dir)
+            log.info("resumed from %s at step %d (epoch %d)", path, state.step, state.epoch)
+            rundir.drop_replayed_rows(out, state.step)
+    elif info.is_main:
+        aside = rundir.set_aside_earlier_run(out)
         if aside:
-            log.warning("%s held an earlier run's checkpoints: moved to %s", ckpt_dir, aside)
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            (out / name).unlink(missing_ok=True)
+            log.warning("%s held an earlier run: its files are now in %s", out, aside)
     du.barrier()
 
     model = du.wrap_ddp(model, cfg, info)
     coco_gt = coco_from_dict(val_set.ground_truth()) if info.is_main else None
 
     def run_eval() -> dict | None:
+        same_model_on_every_rank(model)
         return evaluate(model, val_loader, coco_gt, device, val_set.label_to_cat,
                         amp_context=lambda: autocast(cfg, device), progress=info.is_main and cfg.progress)
-
-    if cfg.test_only:
-        metrics = run_eval()
-        if info.is_main:
-            print(json.dumps(metrics))
-        return metrics or {}
 
     if info.is_main:
         (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
@@ -119,20 +156,26 @@ def run(cfg: Config) -> dict:
                       state.step, cfg.keep_checkpoints)
 
     # the loop: one optimizer step (engine.train_step: accum_steps micro-batches), then the
-    # schedule, the log, and checkpoints and evaluation when they are due
+    # schedule, the log, and checkpoints and evaluation when they are due; SIGTERM (what SLURM and
+    # Kubernetes send before they kill) saves after the current step on every rank, then stops
     started = time.perf_counter()
     start_step = state.step
     batches = batch_stream(train_loader, state)
     term_names: list[str] = []
+    sigterm = stop_on_sigterm()
     model.train()
     try:
         while state.step < total_steps:
-            record = train_step(model, optimizer, scaler, batches, cfg, device, state, term_names)
+            record = train_step(model, optimizer, scaler, batches, cfg, device, state, term_names,
+                                stop_requested=sigterm.is_set())
             scheduler.step()
             logger(record)
             stragglers(record)
-            if record.step % cfg.checkpoint_every == 0 or record.step == total_steps:
+            if record.step % cfg.checkpoint_every == 0 or record.step == total_steps or record.stop_requested:
                 save_checkpoint()
+            if record.stop_requested:
+                raise Preempted(f"stopped by SIGTERM after step {record.step}: checkpoint saved in {ckpt_dir}; "
+                                "continue with --resume auto")
             if cfg.eval_every and record.step % cfg.eval_every == 0 and record.step < total_steps:
                 metrics = run_eval()
                 if info.is_main:
@@ -165,7 +208,8 @@ def report(err: UserError, rank: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done; 2 bad settings, data or checkpoint; 3 non-finite loss; 4 another rank failed."""
+    """Exit codes: 0 done; 2 bad settings, data or checkpoint; 3 non-finite loss; 4 another rank
+    failed; 143 stopped by SIGTERM after saving a checkpoint."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     rank = du.env_world()[0]
     if rank != 0:

@@ -1,0 +1,153 @@
+"""What happens to a run's output folder and checkpoints when a cluster or a careless user gets in
+the way: preemption by SIGTERM, two runs on one folder, a rerun without --resume, changed resumes,
+and --test-only scoring at the checkpoint's own settings on any number of processes."""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+from maskrcnn_tut import checkpoint as ckpt
+from maskrcnn_tut.distributed import free_port
+from maskrcnn_tut.monitor import read_jsonl
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    from maskrcnn_tut.data.shapes import ensure_shapes_dataset
+    return ensure_shapes_dataset(16, 4, seed=0, root=tmp_path_factory.mktemp("data") / "small", progress=False)
+
+
+def _flags(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["--data-path", str(data), "--output-dir", str(out), "--batch-size", "2", "--min-size", "96",
+            "--max-size", "128", "--workers", "0", "--no-progress", "--print-freq", "1", *extra]
+
+
+def _torchrun(nproc: int, flags: list[str]) -> list[str]:
+    return [PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--monitor-interval=0.5",
+            f"--master-port={free_port()}", str(TRAIN_SCRIPT), *flags]
+
+
+def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+
+
+def _errors(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error:")]
+
+
+def _wait(predicate, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"exited early with {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def _steps_logged(out: Path) -> list[int]:
+    return [row["step"] for row in read_jsonl(out / "metrics.jsonl")]
+
+
+def test_sigterm_saves_after_the_current_step_and_the_resumed_log_has_each_step_once(data, tmp_path):
+    out = tmp_path / "run"
+    flags = _flags(data, out, "--max-steps", "8", "--checkpoint-every", "100")
+    proc = subprocess.Popen(_torchrun(2, flags), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=subprocess_env(), start_new_session=True)
+    try:
+        _wait(lambda: len(_steps_logged(out)) >= 3, proc)
+        os.killpg(proc.pid, signal.SIGTERM)  # what SLURM and Kubernetes send to the whole job
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    saved = ckpt.load(out / "checkpoints" / "last.pt")["state"]["step"]
+    assert 3 <= saved < 8, output[-3000:]  # saved at the step boundary, not every 100 steps
+    assert any("stopped by SIGTERM after step" in line for line in _errors(output)), output[-3000:]
+    resumed = _run(_torchrun(2, flags + ["--resume", "auto"]))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _steps_logged(out) == list(range(1, 9))  # replayed rows are not logged twice
+
+
+def test_a_second_run_on_the_same_folder_stops_naming_the_first(data, tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.Popen([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "40")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=subprocess_env())
+    try:
+        _wait(lambda: len(_steps_logged(out)) >= 1, first)
+        second = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "2")])
+        assert second.returncode == 2
+        assert _errors(second.stderr) == [line for line in second.stderr.splitlines() if line.strip()]
+        assert f"is in use by another run (pid {first.pid} on" in second.stderr
+        assert first.poll() is None  # the first run goes on untouched
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_a_rerun_without_resume_sets_the_earlier_run_aside_whole(data, tmp_path):
+    out = tmp_path / "run"
+    assert _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "2")]).returncode == 0
+    before = {name: (out / name).read_text() for name in ("config.json", "metrics.jsonl", "eval.jsonl", "summary.json")}
+    again = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "1")])
+    assert again.returncode == 0, again.stderr[-2000:]
+    [aside] = out.glob("earlier-*")
+    assert {name: (aside / name).read_text() for name in before} == before
+    assert [p.name for p in ckpt.numbered(aside / "checkpoints")] == ["step_0000002.pt"]
+    assert _steps_logged(out) == [1]
+
+
+def test_folders_and_files_of_the_wrong_kind_and_test_only_without_checkpoint_are_one_line(data, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("not a folder")
+    result = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "1")])
+    assert result.returncode == 2 and _errors(result.stderr) == [result.stderr.strip()]
+    assert "checkpoints is a file" in result.stderr
+    empty = tmp_path / "empty"
+    result = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, empty, "--test-only", "--resume", "auto")])
+    assert result.returncode == 2 and "no checkpoint in" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_resume_applies_a_changed_lr_and_batch_and_says_so(data, tmp_path):
+    out = tmp_path / "run"
+    first = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "3", "--lr", "0.002",
+                                                     "--warmup-steps", "0")])
+    assert first.returncode == 0, first.stderr[-2000:]
+    # 3 steps of 2 images are 6 images into the 16-image epoch; 3 steps of 1 image land there too
+    resumed = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "5", "--lr", "0.008",
+                                                       "--warmup-steps", "0", "--resume", "auto", "--batch-size", "1")])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "instead of the checkpoint's" in resumed.stderr and "6 images into epoch 0" in resumed.stderr
+    rows = read_jsonl(out / "metrics.jsonl")
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["lr"] == pytest.approx(0.008 * 1 / 8)  # recorded: the lr this run trains with
+    assert rows[-1]["lr"] > rows[2]["lr"] * 0.4  # the schedule continues from this run's base lr
+    odd = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, tmp_path / "odd", "--max-steps", "1")])
+    assert odd.returncode == 0
+    refused = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, tmp_path / "odd", "--max-steps", "2", "--resume", "auto",
+                                                       "--batch-size", "3")])
+    assert refused.returncode == 2 and "cannot continue at that place" in refused.stderr
+
+
+def test_end_of_training_ap_equals_test_only_on_the_saved_checkpoint_at_its_own_sizes(data, tmp_path):
+    out = tmp_path / "run"
+    trained = _run(_torchrun(2, _flags(data, out, "--max-steps", "4")))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    # the sizes come from the checkpoint (96/128 px), not from this machine's preset (128/192);
+    # a dataset with only a val split is enough to score it
+    val_only = tmp_path / "val_only"
+    (val_only / "annotations").mkdir(parents=True)
+    (val_only / "val2017").symlink_to(data / "val2017")
+    (val_only / "annotations" / "instances_val2017.json").symlink_to(data / "annotations" / "instances_val2017.json")
+    flags = ["--data-path", str(val_only), "--output-dir", str(out), "--batch-size", "2", "--workers", "0",
+             "--no-progress", "--test-only", "--resume", str(out / "checkpoints" / "last.pt")]
+    scored = _run(_torchrun(2, flags))
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert "min_size=96" in scored.stderr and "at step 4" in scored.stderr
+    metrics = json.loads(scored.stdout.strip().splitlines()[-1])
+    assert {k: round(v, 6) for k, v in metrics.items()} == {k: round(summary[k], 6) for k in metrics}
