@@ -42,10 +42,14 @@ HELP = {
     "max_steps": "stop after this many optimizer steps (overrides --epochs)",
     "optimizer": "optimizer",
     "lr": f"learning rate for a global batch of {REFERENCE_BATCH} images; scaled linearly to the "
-          "actual global batch (batch-size x accum-steps x processes)",
+          "actual global batch (batch-size x accum-steps x processes): Goyal et al.'s rule for SGD; for "
+          "AdamW only a heuristic (square-root scaling is the common alternative), so retune --lr when the "
+          "global batch changes much",
     "momentum": "SGD momentum",
     "weight_decay": "weight decay",
-    "warmup_steps": "linear warm-up length in optimizer steps, then cosine decay",
+    "warmup_steps": "linear warm-up length in optimizer steps",
+    "lr_decay": "after warm-up: cosine (to 0 at the end) or steps (x0.1 at 16/26 and 22/26 of training, "
+                "torchvision's 26-epoch schedule)",
     "accum_steps": "micro-steps accumulated per optimizer step (DDP syncs only on the last)",
     "clip_grad_norm": "clip the global gradient norm to this value",
     "amp": "mixed precision: fp16 + GradScaler on CUDA, bf16 on CPU",

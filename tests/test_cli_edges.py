@@ -17,7 +17,7 @@ from maskrcnn_tut.train import main
 
 def _help(monkeypatch, cuda: bool) -> str:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    return " ".join(build_parser().format_help().split())
+    return " ".join(build_parser().format_help().split()).replace("- ", "-")  # undo argparse's wrapping
 
 
 def test_help_shows_each_flag_default_once_as_this_machine_resolves_it(monkeypatch):
@@ -81,13 +81,15 @@ def _training_parts(cfg):
 
 def test_resuming_an_fp32_run_with_fp16_starts_a_fresh_scaler(caplog):
     fp32 = derive(make_config("cpu-tiny"), 1, "cpu")
+    payload_config = fp32.to_dict()
     model, optimizer, scheduler = _training_parts(fp32)
     payload = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                "scaler": make_scaler(fp32, torch.device("cpu")).state_dict(), "rng": [ckpt.rng_state(torch.device("cpu"))],
-               "state": {"step": 3, "epoch": 0, "batch_in_epoch": 3, "nonfinite_skipped": 0, "scaler_skipped": 0}}
+               "state": {"step": 3, "epoch": 0, "batch_in_epoch": 3, "nonfinite_skipped": 0, "scaler_skipped": 0},
+               "config": payload_config}
     fp16_scaler = torch.amp.GradScaler("cpu", enabled=True)  # what --amp-dtype float16 makes on a GPU
     with caplog.at_level(logging.WARNING):
-        state = ckpt.restore_training(payload, optimizer, scheduler, fp16_scaler, DistInfo())
+        state = ckpt.restore_training(payload, optimizer, scheduler, fp16_scaler, DistInfo(), fp32)
     assert state.step == 3 and fp16_scaler.is_enabled()
     assert "scaler starts afresh" in caplog.text
 
@@ -104,3 +106,19 @@ def test_a_checkpoint_without_config_or_of_another_optimizer_is_refused(tmp_path
 def test_rng_state_holds_only_this_process_device():
     state = ckpt.rng_state(torch.device("cpu"))
     assert "cuda" not in state
+
+
+def test_steps_decay_drops_at_torchvision_epochs_16_and_22_of_26():
+    from maskrcnn_tut.engine import lr_schedule
+    factor = lr_schedule(warmup_steps=0, total_steps=260, decay="steps")
+    assert [factor(s) for s in (0, 159, 160, 219, 220, 259)] == pytest.approx([1, 1, 0.1, 0.1, 0.01, 0.01])
+
+
+def test_gpu_r50_is_torchvision_recipe_from_scratch_and_freezes_bn_with_weights(tmp_path):
+    cfg = make_config("gpu-r50")
+    assert (cfg.optimizer, cfg.lr, cfg.momentum, cfg.norm, cfg.lr_decay) == ("sgd", 0.01, 0.9, "gn", "steps")
+    assert derive(make_config("gpu-r50"), 8, "cuda").lr == pytest.approx(0.02)  # 0.02/8*NGPU at 2 img/GPU
+    weights = tmp_path / "w.pt"
+    weights.write_bytes(b"")
+    pretrained = make_config("gpu-r50", weights=str(weights))
+    assert pretrained.norm == "frozen" and pretrained.epochs == 26
