@@ -83,6 +83,8 @@ class Config:
     cudnn_benchmark: bool = False
     deterministic: bool = False
     channels_last: bool = False
+    fixed_shapes: bool = False
+    compile_backbone: bool = False
     seed: int = 0
     # evaluation, logging, checkpoints
     eval_every: int | None = None

@@ -70,7 +70,11 @@ HELP = {
     "grad_compression": "compress gradients to fp16/bf16 before all-reduce (CUDA only)",
     "cudnn_benchmark": "let cuDNN time convolution algorithms (good for fixed sizes)",
     "deterministic": "deterministic algorithms and cuDNN (slower; for exact reproducibility)",
-    "channels_last": "NHWC memory format for the backbone (faster tensor cores on GPUs)",
+    "channels_last": "NHWC memory format for the backbone and its input batch (faster tensor cores on GPUs)",
+    "fixed_shapes": "pad every batch to one of three shapes (landscape, portrait, mixed) instead of its largest "
+                    "image, so shapes repeat for --compile-backbone, CUDA graphs and cudnn.benchmark",
+    "compile_backbone": "torch.compile the backbone, FPN and RPN head (CUDA graphs on GPUs); use with "
+                        "--fixed-shapes, or every new image shape compiles again",
     "seed": "seed of model init (same on every rank) and data order",
     "eval_every": "evaluate every N optimizer steps (always at the end)",
     "print_freq": "log metrics every N optimizer steps",

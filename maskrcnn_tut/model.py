@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import misc as misc_ops
 
 from .errors import CheckpointError
@@ -61,13 +63,79 @@ def build_model(cfg, num_classes: int) -> MaskRCNN:
         mask_head=MaskRCNNHeads(cfg.fpn_channels, mask_layers, 1, norm_layer=head_norm),
         mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], num_classes),
     )
+    if cfg.fixed_shapes or cfg.channels_last:
+        model.transform.__class__ = BatchTransform  # adds no state: only how a batch is laid out
+        model.transform.fixed_shapes, model.transform.channels_last = cfg.fixed_shapes, cfg.channels_last
     if cfg.weights:
         load_weights(model, cfg.weights)
     if cfg.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.channels_last:
         model.backbone = model.backbone.to(memory_format=torch.channels_last)
+    if cfg.compile_backbone:
+        compile_backbone(model, "cuda" if torch.cuda.is_available() else "cpu")
     return model
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return int(math.ceil(value / multiple) * multiple)
+
+
+class BatchTransform(GeneralizedRCNNTransform):
+    """torchvision's transform, with two choices of how a batch is laid out.
+
+    `fixed_shapes` (`--fixed-shapes`): every batch is padded to one of three shapes instead of to
+    its largest image. After resizing, a landscape image is at most min_size x max_size and a
+    portrait one at most max_size x min_size; padding to those (rounded up to the stride) leaves
+    the backbone, FPN and RPN head three input shapes in all (a batch of both orientations gets
+    max x max). Repeated shapes are what torch.compile, CUDA graphs and cudnn.benchmark need; the
+    price is the padding. Boxes and the sizes that scale predictions back are the unpadded ones.
+    `channels_last` (`--channels-last`): the batch is handed over in NHWC already.
+    """
+
+    fixed_shapes = False
+    channels_last = False
+
+    def batch_images(self, images: list[torch.Tensor], size_divisible: int = 32) -> torch.Tensor:
+        batch = self._fixed_batch(images, size_divisible) if self.fixed_shapes else \
+            super().batch_images(images, size_divisible)
+        return batch.contiguous(memory_format=torch.channels_last) if self.channels_last else batch
+
+    def _fixed_batch(self, images: list[torch.Tensor], size_divisible: int) -> torch.Tensor:
+        short = _round_up(max(self.min_size), size_divisible)
+        long = _round_up(max(self.max_size, max(self.min_size)), size_divisible)
+        landscape = [image.shape[-1] >= image.shape[-2] for image in images]
+        height, width = (short, long) if all(landscape) else (long, short) if not any(landscape) else (long, long)
+        batch = images[0].new_zeros((len(images), images[0].shape[0], height, width))
+        for slot, image in zip(batch, images):
+            slot[:, : image.shape[-2], : image.shape[-1]].copy_(image)
+        return batch
+
+
+#: Recompilations allowed per compiled part before torch.compile falls back to eager for it.
+RECOMPILE_LIMIT = 8
+
+
+def compile_backbone(model: MaskRCNN, device_type: str, backend: str = "inductor") -> None:
+    """`torch.compile` the backbone + FPN and the RPN head (`--compile-backbone`), shapes static.
+
+    On GPUs mode "reduce-overhead" captures them in CUDA graphs (a few kernel launches instead of
+    hundreds at small batches). Every new input shape compiles again: with `--fixed-shapes` a run
+    meets at most three; after `RECOMPILE_LIMIT` torch falls back to eager for that part with a
+    warning. `compilations()` counts them. The RoI heads and post-processing stay eager (their
+    shapes change with every step's proposals).
+    """
+    import torch._dynamo
+    torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    mode = "reduce-overhead" if device_type == "cuda" and backend == "inductor" else None
+    model.backbone = torch.compile(model.backbone, dynamic=False, mode=mode, backend=backend)
+    model.rpn.head = torch.compile(model.rpn.head, dynamic=False, mode=mode, backend=backend)
+
+
+def compilations() -> int:
+    """Graphs torch.compile has compiled in this process (each new shape of a part is one more)."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
 
 
 def load_weights(model: nn.Module, path: str) -> None:
