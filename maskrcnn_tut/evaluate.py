@@ -16,7 +16,8 @@ from pycocotools.cocoeval import COCOeval
 from tqdm.auto import tqdm
 
 from . import distributed as du
-from .data.loader import to_device
+from .data.coco import UNREADABLE_KEY
+from .data.loader import iterate, to_device
 
 METRICS = ("AP", "AP50", "AP75")
 
@@ -74,11 +75,18 @@ def coco_from_dict(dataset: dict) -> COCO:
 
 @torch.inference_mode()
 def predict(model, loader, device, label_to_cat, amp_context=contextlib.nullcontext, progress=False):
-    """COCO results for every image `loader` yields (this rank's shard)."""
+    """COCO results for every image `loader` yields (this rank's shard), and the ids scored.
+
+    Images that failed to decode are counted in the dataset's report (`load_failed`, through
+    `data.loader.iterate`) and left out of the ids, so the score covers the images it saw."""
     results, image_ids = [], []
-    for images, targets in tqdm(loader, desc="evaluate", disable=not progress, leave=False):
-        images, _ = to_device(images, [], device)
-        ids = [t["image_id"] for t in targets]
+    for images, targets in tqdm(iterate(loader), desc="evaluate", total=len(loader), disable=not progress,
+                                leave=False):
+        readable = [k for k, t in enumerate(targets) if not t.get(UNREADABLE_KEY)]
+        if not readable:
+            continue
+        images, _ = to_device([images[k] for k in readable], [], device)
+        ids = [targets[k]["image_id"] for k in readable]
         with amp_context():
             outputs = model(images)
         results.extend(to_coco_results(outputs, ids, label_to_cat))

@@ -27,7 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from . import distributed as du
-from .config import Config, make_config
+from .bench.harness import environment
+from .bench.results import BenchResult, python_call
+from .config import Config, derive, make_config
+from .data.loader import to_device
+from .engine import TrainState, amp_dtype, autocast, build_optimizer, make_scaler, train_step
+from .hardware import current_memory_mb, peak_memory_mb, provenance, reset_peak_memory
+from .model import build_model
 
 MIB = 2**20
 #: The GPU the article recommends (RTX 2080 Ti, 11 GB): the default line in `memory_table`'s plot.
@@ -84,8 +90,9 @@ def synthetic_batch(image_size: int, batch_size: int, objects: int = 3, seed: in
     return images, targets
 
 
-def _sized(cfg: Config, image_size: int) -> Config:
-    return dataclasses.replace(cfg, min_size=image_size, max_size=image_size)
+def _sized(cfg: Config, image_size: int, device: torch.device) -> Config:
+    """The config at square `image_size` inputs, derived for one process on `device`."""
+    return derive(dataclasses.replace(cfg, min_size=image_size, max_size=image_size), 1, device)
 
 
 def _tensor_mb(tensors) -> float:
@@ -93,8 +100,6 @@ def _tensor_mb(tensors) -> float:
 
 
 def _model_and_optimizer(cfg: Config, device: torch.device):
-    from .engine import build_optimizer
-    from .model import build_model
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, num_classes=4).to(device).train()
     return model, build_optimizer(model, cfg)
@@ -102,8 +107,6 @@ def _model_and_optimizer(cfg: Config, device: torch.device):
 
 def _activations(model, images, targets, cfg: Config, device: torch.device) -> tuple[float, int]:
     """MiB and count of the distinct storages autograd saves in one forward pass (parameters excluded)."""
-    from .data.loader import to_device
-    from .engine import autocast
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -123,9 +126,8 @@ def _activations(model, images, targets, cfg: Config, device: torch.device) -> t
 def breakdown(cfg: Config, image_size: int, batch_size: int,
               device: torch.device | str | None = None) -> MemoryBreakdown:
     """Parameters, gradients, optimizer state and activations of one training step (see module doc)."""
-    from .engine import amp_dtype
     device = torch.device(device) if device is not None else du.info().device
-    cfg = _sized(cfg, image_size)
+    cfg = _sized(cfg, image_size, device)
     model, optimizer = _model_and_optimizer(cfg, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
@@ -134,7 +136,7 @@ def breakdown(cfg: Config, image_size: int, batch_size: int,
     optimizer_mb = _tensor_mb(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
     optimizer.zero_grad(set_to_none=True)
     activations_mb, count = _activations(model, *synthetic_batch(image_size, batch_size), cfg, device)
-    dtype = amp_dtype(cfg, device)
+    dtype = amp_dtype(cfg)
     return MemoryBreakdown(preset=cfg.preset, image_size=image_size, batch_size=batch_size, device=str(device),
                            autocast=str(dtype).replace("torch.", "") if dtype else "off (fp32)",
                            parameters_mb=_tensor_mb(model.parameters()), gradients_mb=_tensor_mb(trainable),
@@ -143,9 +145,7 @@ def breakdown(cfg: Config, image_size: int, batch_size: int,
 
 def _train(cfg: Config, image_size: int, batch_size: int, steps: int, device: torch.device) -> tuple[float, float]:
     """Build the model and optimizer, train `steps` steps on one synthetic batch; returns the memory
-    in use once the model is loaded and the peak over the steps (MiB)."""
-    from .engine import TrainState, make_scaler, train_step
-    from .monitor import current_memory_mb, peak_memory_mb, reset_peak_memory
+    in use once the model is loaded and the peak over the steps (MiB); `cfg` is derived."""
     model, optimizer = _model_and_optimizer(cfg, device)
     scaler = make_scaler(cfg, device)
     batches = itertools.repeat(synthetic_batch(image_size, batch_size))
@@ -163,10 +163,9 @@ def growth_worker(cfg: Config, image_size: int, batch_size: int, steps: int) -> 
     One thread, and a throwaway run first, so that per-thread buffers and the first touch of
     the library's code pages for the backward pass and the optimizer are not counted as growth.
     """
-    from .monitor import reset_peak_memory
     torch.set_num_threads(1)
     device = du.info().device
-    cfg = dataclasses.replace(_sized(cfg, image_size), pin_memory=False)
+    cfg = _sized(dataclasses.replace(cfg, pin_memory=False), image_size, device)
     _train(cfg, image_size, batch_size, 1, device)
     reset_peak_memory(device)  # hands the throwaway run's memory back
     loaded, peak = _train(cfg, image_size, batch_size, steps, device)
@@ -179,8 +178,7 @@ def measure_growth(cfg: Config, image_size: int, batch_size: int, steps: int = 2
     Two steps: the first creates the optimizer state, the second holds it together with the
     activations and gradients, as every later step does.
     """
-    from .bench import _environment
-    with _environment(**MALLOC_ENV):
+    with environment(**MALLOC_ENV):
         return du.launch(growth_worker, 1, cfg, image_size, batch_size, steps)
 
 
@@ -192,7 +190,6 @@ def memory_table(preset: str = "gpu-r50", image_sizes: tuple[int, ...] = (256, 5
     `measure_sizes`: sizes whose activations are counted (batch 1); the others are fitted as
     a + b x pixels per image. Default: every size on a GPU, 192 and 320 px on a CPU.
     """
-    from .bench import BenchResult, _call, provenance
     device = du.info().device
     if device.type != "cuda" and "amp" not in overrides:
         overrides["amp"] = False  # CPU autocast is no stand-in for a GPU's, and slow without bf16 hardware
@@ -232,8 +229,8 @@ def memory_table(preset: str = "gpu-r50", image_sizes: tuple[int, ...] = (256, 5
     result = BenchResult("memory", f"Training memory by image size and batch ({cfg.backbone}-FPN)", rows,
                          ["image size", "batch", "parameters MiB", "gradients MiB", "optimizer MiB",
                           "activations MiB", "total MiB", "fits", "activations"], notes,
-                         provenance(_call("memory.memory_table", preset=preset, image_sizes=image_sizes,
-                                          batch_sizes=batch_sizes, measure_sizes=measure_sizes,
-                                          gpu_memory_gb=gpu_memory_gb)))
+                         provenance(python_call("memory.memory_table", preset=preset, image_sizes=image_sizes,
+                                                batch_sizes=batch_sizes, measure_sizes=measure_sizes,
+                                                gpu_memory_gb=gpu_memory_gb)))
     result.provenance["gpu_memory_gb_compared"] = gpu_memory_gb
     return result

@@ -1,4 +1,4 @@
-"""What a run measures about itself: data vs compute time, img/s, peak memory, GPUs, stragglers, health.
+"""What a run measures about itself while it trains: metrics, GPUs, stragglers, health.
 
 Training-loop callbacks (each receives every `engine.StepRecord`, whose figures are already agreed
 across ranks, so none of them runs a collective):
@@ -6,100 +6,37 @@ across ranks, so none of them runs a collective):
 - `MetricsLogger`: every `print_freq` steps one window-averaged line of `metrics.jsonl`,
   TensorBoard scalars and the progress bar (rank 0 writes).
 - `StragglerCheck(every=N, threshold=1.2)`: warns naming the slow rank when the slowest rank's
-  median compute time over the last N steps exceeds `threshold` x the ranks' median.
-- `LiveDashboard(global_batch)`: a notebook dashboard (ipywidgets progress and figures, redrawn
-  while training runs) that leaves a static matplotlib figure in the rendered page.
+  median forward time over the last N steps exceeds `threshold` x the ranks' median.
 
-Around them: `GPUSampler` (a thread reading every GPU's utilization and memory through NVML,
-"not available" without an NVIDIA driver), `plot_metrics(rows)` (data vs compute timeline,
-throughput, memory; rows as in `metrics.jsonl` or `step_row`), `health_advice(rows, gpus)` (the
-article's healthy ranges as plain-language advice) and the memory readers `peak_memory_mb`,
-`reset_peak_memory`, `current_memory_mb`, `device_memory_mb`.
+Around them: `GPUSampler` (a thread reading, through NVML, the utilization and memory of the GPUs
+this run uses, mapped from CUDA's numbering to NVML's; "not available" without an NVIDIA GPU),
+`step_row` / `read_jsonl` (metric rows as in `metrics.jsonl`) and `health_advice(rows, gpus)`
+(the article's healthy ranges as plain-language advice). The notebook views of the same figures
+(plots, the live dashboard) are in `dashboard`.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
-import resource
 import statistics
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from . import distributed as du
+from .hardware import device_memory_mb, peak_memory_mb
+from .nvml import GpuUnavailable, NvmlReader, run_cuda_devices
 
 log = logging.getLogger("maskrcnn_tut")
 
 #: The article's healthy ranges (「モニタリングとベンチマーク分析」).
 HEALTHY_GPU_UTIL = (70.0, 90.0)
 MAX_MEMORY_FRACTION = 0.9
-
-
-# --------------------------------------------------------------------------- memory
-
-
-def _proc_status_kib(field_name: str) -> float | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field_name + ":"):
-                return float(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak: the CUDA allocator's peak, or this process's resident high-water mark.
-
-    On CPU, freed heap memory is first handed back to the OS (glibc `malloc_trim`) and Linux's
-    VmHWM is reset through /proc/self/clear_refs; where either is missing the peak keeps counting
-    from the process start.
-    """
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """GPU allocator peak on CUDA, else this process's peak resident set size (MiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    hwm = _proc_status_kib("VmHWM")
-    if hwm is not None:
-        return hwm / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def current_memory_mb(device: torch.device) -> float:
-    """Memory in use now: CUDA tensors on the GPU, else this process's resident set size (MiB)."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**20
-    rss = _proc_status_kib("VmRSS")
-    if rss is None:
-        raise RuntimeError("current_memory_mb needs Linux's /proc/self/status on a CPU")
-    return rss / 1024
-
-
-def device_memory_mb(device: torch.device) -> float | None:
-    """Memory of the device: the GPU's total, or the machine's physical RAM (MiB)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory / 2**20
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def read_jsonl(path: Path | str) -> list[dict]:
@@ -186,52 +123,23 @@ class MetricsLogger:
 # --------------------------------------------------------------------------- GPUs through NVML
 
 
-class GpuUnavailable(RuntimeError):
-    """NVML cannot read any GPU here; the message says why."""
-
-
-class NvmlReader:
-    """Reads every GPU's utilization and memory through nvidia-ml-py (`pynvml`)."""
-
-    def __init__(self):
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-        except ImportError as err:
-            raise GpuUnavailable("not available: nvidia-ml-py is not installed") from err
-        except Exception as err:  # pynvml.NVMLError: no library, no driver, no permission
-            raise GpuUnavailable(f"not available: no NVIDIA driver or GPU ({err})") from err
-        self.nvml = pynvml
-        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        if not self.handles:
-            pynvml.nvmlShutdown()
-            raise GpuUnavailable("not available: the NVIDIA driver reports no GPU")
-
-    def __call__(self) -> list[dict]:
-        readings = []
-        for index, handle in enumerate(self.handles):
-            memory = self.nvml.nvmlDeviceGetMemoryInfo(handle)
-            readings.append({"gpu": index, "util": float(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-                             "mem_used_mb": memory.used / 2**20, "mem_total_mb": memory.total / 2**20})
-        return readings
-
-    def close(self) -> None:
-        self.nvml.nvmlShutdown()
-
-
 class GPUSampler:
-    """A background thread that samples every GPU's utilization % and memory every `interval_s`.
+    """A background thread that samples the run's GPUs' utilization % and memory every `interval_s`.
 
-    Without an NVIDIA GPU it does nothing and says so: `available` is False and `reason` (also
-    `describe()`) explains why. `reader` replaces NVML (a callable returning one reading per GPU).
+    `devices` are CUDA indices (default: `run_cuda_devices()`, the GPU of this process), so a run
+    on GPU 0 of an 8-GPU machine is judged by GPU 0 alone. Without an NVIDIA GPU it does nothing
+    and says so: `available` is False and `reason` (also `describe()`) explains why. `reader`
+    replaces NVML (a callable returning one reading per GPU).
 
         with GPUSampler() as gpus:
             ...train...
         print(gpus.describe())
     """
 
-    def __init__(self, interval_s: float = 1.0, reader: Callable[[], list[dict]] | None = None):
+    def __init__(self, interval_s: float = 1.0, reader: Callable[[], list[dict]] | None = None,
+                 devices: Sequence[int] | None = None):
         self.interval_s = interval_s
+        self.devices = None if devices is None else list(devices)
         self.samples: list[dict] = []
         self.reason = ""
         self._reader = reader
@@ -245,7 +153,7 @@ class GPUSampler:
     def start(self) -> GPUSampler:
         try:
             if self._reader is None:
-                self._reader = NvmlReader()
+                self._reader = NvmlReader(run_cuda_devices() if self.devices is None else self.devices)
             self._sample()
         except GpuUnavailable as err:
             self.reason = str(err)
@@ -290,7 +198,8 @@ class GPUSampler:
         by_gpu: dict[int, list[dict]] = {}
         for sample in self.samples:
             by_gpu.setdefault(sample["gpu"], []).append(sample)
-        return [{"gpu": gpu, "util_mean": statistics.fmean(s["util"] for s in samples),
+        return [{"gpu": gpu, "nvml_index": samples[0].get("nvml_index", gpu),
+                 "util_mean": statistics.fmean(s["util"] for s in samples),
                  "mem_used_max_mb": max(s["mem_used_mb"] for s in samples),
                  "mem_total_mb": samples[0]["mem_total_mb"], "samples": len(samples)}
                 for gpu, samples in sorted(by_gpu.items())]
@@ -298,16 +207,27 @@ class GPUSampler:
     def describe(self) -> str:
         if not self.available:
             return f"GPU sampler: {self.reason}"
-        return "; ".join(f"GPU {g['gpu']}: {g['util_mean']:.0f} % busy, {g['mem_used_max_mb']:.0f} of "
+        return "; ".join(f"{_gpu_name(g)}: {g['util_mean']:.0f} % busy, {g['mem_used_max_mb']:.0f} of "
                          f"{g['mem_total_mb']:.0f} MiB at most ({g['samples']} samples)" for g in self.summary())
+
+
+def _gpu_name(gpu: dict) -> str:
+    """'GPU 0', with nvidia-smi's number beside it where the two differ (CUDA_VISIBLE_DEVICES)."""
+    number = gpu.get("nvml_index", gpu["gpu"])
+    return f"GPU {gpu['gpu']}" + (f" (nvidia-smi GPU {number})" if number != gpu["gpu"] else "")
 
 
 # --------------------------------------------------------------------------- stragglers
 
 
 class StragglerCheck:
-    """Training callback: every `every` steps, warn naming the rank whose median compute time over
-    those steps exceeds `threshold` x the median over ranks. Logs on rank 0; `warnings` keeps them."""
+    """Training callback: every `every` steps, warn naming the rank whose median forward time over
+    those steps exceeds `threshold` x the median over ranks. Logs on rank 0; `warnings` keeps them.
+
+    It reads `StepRecord.rank_forward_times`: each rank's own synchronized forward seconds, in
+    which no collective waits, so a slow rank stands out (a whole step's time would not: under DDP
+    every rank waits for the slowest at the all-reduce, so their step times come out equal).
+    """
 
     def __init__(self, every: int = 50, threshold: float = 1.2):
         if every < 1 or threshold <= 1:
@@ -317,9 +237,9 @@ class StragglerCheck:
         self.warnings: list[str] = []
 
     def __call__(self, record) -> None:
-        if len(record.rank_compute_times) < 2:
+        if len(record.rank_forward_times) < 2:
             return  # one process: nobody to wait for
-        self.window.append(record.rank_compute_times)
+        self.window.append(record.rank_forward_times)
         if record.step % self.every:
             return
         per_rank = [statistics.median(times) for times in zip(*self.window)]
@@ -329,7 +249,7 @@ class StragglerCheck:
         slow = max(range(len(per_rank)), key=per_rank.__getitem__)
         ratio = per_rank[slow] / middle if middle > 0 else 1.0
         if ratio > self.threshold:
-            message = (f"straggler: rank {slow} needed {ratio:.2f}x the median compute time over steps "
+            message = (f"straggler: rank {slow} needed {ratio:.2f}x the median forward time over steps "
                        f"{first}-{record.step} ({per_rank[slow]:.3f} s vs {middle:.3f} s per step); every "
                        "other rank waits for it at each all-reduce. Check its share of the data (the "
                        "DistributedSampler, image sizes), its device (other jobs, throttling) or CPU threads.")
@@ -338,114 +258,11 @@ class StragglerCheck:
                 log.warning(message)
 
 
-# --------------------------------------------------------------------------- plots and dashboard
+# --------------------------------------------------------------------------- health advice
 
 
 def _median(rows: list[dict], key: str) -> float:
     return statistics.median(row[key] for row in rows)
-
-
-def plot_metrics(rows: list[dict], title: str = "Training step", total_memory_mb: float | None = None):
-    """Three panels from metric rows: data vs compute time per step, img/s, peak memory."""
-    import matplotlib.pyplot as plt
-
-    from .book import hardware_label
-
-    steps = [row["step"] for row in rows]
-    data = [row["data_time"] for row in rows]
-    compute = [row["iter_time"] - row["data_time"] for row in rows]
-    fig, (ax_time, ax_speed, ax_memory) = plt.subplots(1, 3, figsize=(12, 3.4))
-    ax_time.bar(steps, compute, label="compute", color="tab:blue")
-    ax_time.bar(steps, data, bottom=compute, label="data (waiting for the loader)", color="tab:orange")
-    ax_time.set(title="Where a step's time goes", xlabel="step", ylabel="seconds per step")
-    ax_time.legend(fontsize=8)
-    ax_speed.plot(steps, [row["img_per_s"] for row in rows], marker=".", color="tab:green")
-    if rows:
-        ax_speed.axhline(_median(rows, "img_per_s"), color="gray", linestyle="--",
-                         label=f"median {_median(rows, 'img_per_s'):.2f}")
-        ax_speed.legend(fontsize=8)
-    ax_speed.set(title="Throughput", xlabel="step", ylabel="images / s", ylim=(0, None))
-    ax_memory.plot(steps, [row["max_mem_mb"] for row in rows], marker=".", color="tab:purple", label="peak")
-    if total_memory_mb:
-        ax_memory.axhline(MAX_MEMORY_FRACTION * total_memory_mb, color="tab:red", linestyle="--",
-                          label=f"{MAX_MEMORY_FRACTION:.0%} of {total_memory_mb:.0f} MiB")
-    ax_memory.set(title="Peak memory", xlabel="step", ylabel="MiB", ylim=(0, None))
-    ax_memory.legend(fontsize=8)
-    for ax in (ax_time, ax_speed, ax_memory):
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"{title} — {hardware_label()}")
-    fig.tight_layout()
-    return fig
-
-
-def _in_notebook() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and hasattr(shell, "kernel")
-
-
-class LiveDashboard:
-    """Training callback that shows progress, img/s, data share, memory and GPU use while training
-    runs in a notebook, and redraws `plot_metrics` every `redraw_every` steps.
-
-    The numbers live in ipywidgets; the figure is an ordinary display output that each redraw
-    replaces, so the executed notebook (and the rendered page) keeps the last one as a static
-    picture. Call `close()` after training for the final figure. Outside a notebook it only
-    collects `rows`.
-    """
-
-    def __init__(self, global_batch: int, total_steps: int | None = None, device: torch.device | None = None,
-                 redraw_every: int = 10, gpus: GPUSampler | None = None, title: str = "Training step"):
-        self.global_batch, self.redraw_every, self.gpus, self.title = global_batch, redraw_every, gpus, title
-        self.device = device or du.info().device
-        self.rows: list[dict] = []
-        self.live = _in_notebook()
-        if self.live:
-            import ipywidgets as widgets
-            from IPython.display import HTML, display
-            self.progress = widgets.IntProgress(value=0, min=0, max=total_steps or 1, description="steps")
-            self.status = widgets.HTML("waiting for the first step")
-            display(widgets.VBox([self.progress, self.status]))
-            self.figure_handle = display(HTML(f"<i>the figure appears after step {redraw_every}</i>"),
-                                         display_id=True)
-
-    def __call__(self, record) -> None:
-        self.rows.append(step_row(record, self.global_batch, self.device))
-        if self.live:
-            self._update_status()
-            if record.step % self.redraw_every == 0:
-                self.redraw()
-
-    def _update_status(self) -> None:
-        row = self.rows[-1]
-        self.progress.value = min(row["step"], self.progress.max)
-        text = (f"step {row['step']}: loss {row['loss']:.3f}, {row['img_per_s']:.2f} img/s, "
-                f"data {100 * row['data_time'] / row['iter_time']:.0f} % of the step, "
-                f"peak memory {row['max_mem_mb']:.0f} MiB")
-        if self.gpus is not None and self.gpus.available:
-            text += "; " + ", ".join(f"GPU {g['gpu']} {g['util']:.0f} %" for g in self.gpus.latest())
-        self.status.value = text
-
-    def figure(self):
-        gpu_total = device_memory_mb(self.device) if self.device.type == "cuda" else None
-        return plot_metrics(self.rows, self.title, gpu_total)
-
-    def redraw(self) -> None:
-        import matplotlib.pyplot as plt
-        fig = self.figure()
-        self.figure_handle.update(fig)
-        plt.close(fig)
-
-    def close(self) -> None:
-        """Draw the final figure (in a notebook; elsewhere call `figure()`)."""
-        if self.live and self.rows:
-            self.redraw()
-
-
-# --------------------------------------------------------------------------- health advice
 
 
 @dataclass
@@ -504,7 +321,7 @@ def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,
                       "--channels-last) or from more GPUs")
         else:
             advice = "in the healthy range"
-        report.checks.append(HealthCheck(f"GPU {gpu['gpu']} utilization", util >= low,
+        report.checks.append(HealthCheck(f"{_gpu_name(gpu)} utilization", util >= low,
                                          f"{util:.0f} % busy on average (healthy: {low:.0f}-{high:.0f} %): {advice}."))
     data, compute = _median(rows, "data_time"), statistics.median(r["iter_time"] - r["data_time"] for r in rows)
     if data < compute:
@@ -519,7 +336,7 @@ def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,
     if gpus:
         fullest = max(gpus, key=lambda g: g["mem_used_max_mb"] / g["mem_total_mb"])
         used = fullest["mem_used_max_mb"] / fullest["mem_total_mb"]
-        seen = f"GPU {fullest['gpu']} held up to {fullest['mem_used_max_mb']:.0f} of {fullest['mem_total_mb']:.0f} MiB"
+        seen = f"{_gpu_name(fullest)} held up to {fullest['mem_used_max_mb']:.0f} of {fullest['mem_total_mb']:.0f} MiB"
     else:
         total = total_memory_mb or device_memory_mb(du.info().device)
         used = peak / total if total else None

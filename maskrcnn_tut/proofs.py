@@ -1,19 +1,36 @@
-"""Small exact experiments proving the training step does what the book claims.
+"""The experiments the chapters run and assert: exact proofs of what the training step does, and the
+other measurements that exist only to be shown in the book.
 
 A detection-shaped toy model (lists of images and target dicts in, a loss dict out) runs through
-the real `engine.train_step`, so the checks exercise the same accumulation, `no_sync` and
+the real `engine.train_step`, so the proofs exercise the same accumulation, `no_sync` and
 all-reduce code that trains Mask R-CNN, at a size where float rounding is the only difference.
-Chapter 7 and the tests call these; `ddp_accumulation_check` runs inside `distributed.launch`.
+
+- `accumulation_check`: K accumulated micro-batches of B give the gradient of one batch of K*B (ch. 7).
+- `ddp_accumulation_check`: the same under DDP, and one all-reduce per optimizer step with `no_sync`.
+- `gradient_noise`: how far one batch's gradient is from the average, by batch size (ch. 1).
+- `process_report`, `demo_processes`: what each process started by `distributed.launch` sees (ch. 4).
+- `imbalance_run`, `allreduce_timing`: chapter 9's straggler and communication experiments.
+
+The functions named "run inside `distributed.launch`" are called as `du.launch(proofs.f, n, ...)`.
 """
 from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Sequence
 
 import torch
 from torch import nn
 
+from . import bench
 from . import distributed as du
-from .config import make_config
-from .data.loader import to_device
+from .config import Config, derive, make_config
+from .data.loader import build_datasets, collate, to_device
 from .engine import TrainState, build_optimizer, make_scaler, train_step
+from .hardware import gpu_count
+from .model import build_model
+from .monitor import StragglerCheck
 
 
 class TinyDetector(nn.Module):
@@ -44,17 +61,23 @@ def _merge(batches):
     return [img for b in batches for img in b[0]], [t for b in batches for t in b[1]]
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """The device of a model's parameters (inside any DDP/DP wrapper)."""
+    return next(du.unwrap(model).parameters()).device
+
+
 def accumulated_gradients(model: nn.Module, batches, accum_steps: int) -> dict[str, torch.Tensor]:
-    """Gradients left by one `engine.train_step` over `accum_steps` micro-batches."""
-    cfg = make_config("cpu-tiny", accum_steps=accum_steps, optimizer="sgd", lr=1e-9, weight_decay=0.0)
+    """Gradients left by one `engine.train_step` over `accum_steps` micro-batches, on the model's device."""
+    device = model_device(model)
+    cfg = derive(make_config("cpu-tiny", accum_steps=accum_steps, optimizer="sgd", lr=1e-9, weight_decay=0.0),
+                 du.info().world_size, device)
     optimizer = build_optimizer(model, cfg)
-    train_step(model, optimizer, make_scaler(cfg, torch.device("cpu")), iter(batches), cfg,
-               torch.device("cpu"), TrainState(), [])
+    train_step(model, optimizer, make_scaler(cfg, device), iter(batches), cfg, device, TrainState(), [])
     return {name: p.grad.detach().clone() for name, p in du.unwrap(model).named_parameters()}
 
 
 def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+    return max(float((a[k] - b[k].to(a[k].device)).abs().max()) for k in a)
 
 
 def accumulation_check(accum_steps: int = 4, batch_size: int = 2, seed: int = 0) -> float:
@@ -72,8 +95,10 @@ def accumulation_check(accum_steps: int = 4, batch_size: int = 2, seed: int = 0)
 def ddp_accumulation_check(accum_steps: int = 4, batch_size: int = 2, seed: int = 0) -> dict:
     """Run inside `distributed.launch`: DDP + accumulation vs one process on the global batch.
 
-    Returns (on every rank) the max gradient difference, how many all-reduces ran during the
-    accumulated step, and how many run when every micro-step syncs (no `no_sync`).
+    The models live on this process's device (`du.info().device`: its GPU where there is one),
+    where `engine.train_step` also puts the batches. Returns (on every rank) the max gradient
+    difference, how many all-reduces ran during the accumulated step, and how many run when every
+    micro-step syncs (no `no_sync`).
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -82,8 +107,8 @@ def ddp_accumulation_check(accum_steps: int = 4, batch_size: int = 2, seed: int 
     all_batches = toy_batches(accum_steps * world, batch_size, seed)
     mine = all_batches[info.rank::world]  # each rank's micro-batches
     torch.manual_seed(seed)
-    model = TinyDetector()
-    reference = TinyDetector()
+    model = TinyDetector().to(info.device)
+    reference = TinyDetector().to(info.device)
     reference.load_state_dict(model.state_dict())
     calls = {"allreduce": 0}
 
@@ -91,7 +116,8 @@ def ddp_accumulation_check(accum_steps: int = 4, batch_size: int = 2, seed: int 
         calls["allreduce"] += 1
         return default_hooks.allreduce_hook(state, bucket)
 
-    ddp = nn.parallel.DistributedDataParallel(model)
+    device_ids = [info.device.index] if info.device.type == "cuda" else None
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     ddp.register_comm_hook(None, counting_allreduce)
     accumulated = accumulated_gradients(ddp, mine, accum_steps)
     with_no_sync = calls["allreduce"]
@@ -104,3 +130,110 @@ def ddp_accumulation_check(accum_steps: int = 4, batch_size: int = 2, seed: int 
     return {"max_abs_diff": max_abs_difference(accumulated, large),
             "allreduce_calls_accumulated": with_no_sync, "allreduce_calls_every_micro_step": every_step,
             "world_size": world, "accum_steps": accum_steps}
+
+
+# --------------------------------------------------------------------------- chapter 1
+
+
+def gradient_noise(cfg: Config, batch_sizes: Sequence[int], images_per_size: int, seed: int = 0) -> list[dict]:
+    """How far one batch's gradient is from the average gradient, for each batch size.
+
+    For batch size B, `images_per_size // B` disjoint batches are drawn and each one's gradient
+    taken (one `engine.train_step` at a vanishing learning rate, from the same weights). The noise
+    is the mean squared distance of those gradients from their average, relative to the average's
+    squared norm; for independent samples it falls as 1/B.
+    """
+    train_set, _ = build_datasets(cfg)
+    torch.manual_seed(seed)
+    model = build_model(cfg, train_set.num_classes)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed)).tolist()
+    rows = []
+    for batch_size in batch_sizes:
+        grads = []
+        for first in range(0, images_per_size - batch_size + 1, batch_size):
+            model.load_state_dict(start)
+            torch.manual_seed(seed + first)
+            batch = collate([train_set[i] for i in order[first:first + batch_size]])
+            grads.append(torch.cat([g.flatten() for g in accumulated_gradients(model, [batch], 1).values()]))
+        stacked = torch.stack(grads)
+        mean = stacked.mean(0)
+        noise = float(((stacked - mean) ** 2).sum(1).mean() / (mean ** 2).sum())
+        rows.append({"batch size": batch_size, "batches": len(grads), "relative gradient noise": noise})
+    model.load_state_dict(start)
+    return rows
+
+
+# --------------------------------------------------------------------------- chapter 4
+
+
+def process_report() -> list[dict] | None:
+    """Run inside `distributed.launch`: each rank's place in the group and one all-reduce, gathered."""
+    info = du.info()
+    total = du.all_reduce_sum(torch.tensor([info.rank + 1.0], device=info.device))
+    mine = {"rank": info.rank, "local rank": info.local_rank, "world size": info.world_size,
+            "backend": info.backend, "device": str(info.device), "CPU threads": torch.get_num_threads(),
+            "process id": os.getpid(), "all-reduce of rank + 1": float(total)}
+    return du.all_gather_objects(mine)
+
+
+def demo_processes() -> tuple[int, str | None]:
+    """(processes, backend) for the chapters' multi-process demos: one per GPU (nccl) with two or
+    more GPUs, else two gloo processes (two GPU processes cannot share one GPU under nccl)."""
+    gpus = gpu_count()
+    return (gpus, None) if gpus >= 2 else (2, "gloo")
+
+
+# --------------------------------------------------------------------------- chapter 9
+
+
+def imbalance_run(batch_sizes: Sequence[Sequence[int]], steps: int = 6, warmup: int = 1) -> list[dict]:
+    """Run inside `distributed.launch`: for each entry of `batch_sizes`, DDP steps where rank r
+    trains `entry[r]` images per step.
+
+    Returns, per entry, each rank's median forward time per step (its own work, which no
+    collective waits in: what `monitor.StragglerCheck` compares), the median step time (every rank
+    waits for the slowest at the all-reduce) and the check's warnings.
+    """
+    info = du.info()
+    results = []
+    for per_rank in batch_sizes:
+        check = StragglerCheck(every=warmup + steps)
+        forward: list[list[float]] = []
+        measured = bench.measure(bench.bench_config(batch_size=per_rank[info.rank]), steps=steps, warmup=warmup,
+                                 callbacks=[check, lambda record: forward.append(record.rank_forward_times)])
+        results.append({"batch per rank": list(per_rank),
+                        "forward s per rank": [statistics.median(times) for times in zip(*forward)],
+                        "step s": statistics.median(measured.iter_times), "warnings": check.warnings})
+    return results
+
+
+def allreduce_timing(total_mb: float, bucket_mbs: Sequence[float], repeats: int = 5) -> list[dict]:
+    """Run inside `distributed.launch`: median time to all-reduce `total_mb` of fp32 gradients in
+    buckets of each size, and in the default bucket size after compressing them to fp16 (what
+    DDP's fp16 compression hook sends). Returns rows on every rank."""
+    info = du.info()
+    gradients = torch.zeros(int(total_mb * 2**20 / 4), device=info.device)
+
+    def median_seconds(chunks: list[torch.Tensor]) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first round warms the connections up
+            du.barrier()
+            start = time.perf_counter()
+            for chunk in chunks:
+                du.all_reduce_sum(chunk)
+            if info.device.type == "cuda":
+                torch.cuda.synchronize(info.device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    rows = []
+    for bucket in bucket_mbs:
+        chunks = list(gradients.split(max(1, int(bucket * 2**20 / 4))))
+        rows.append({"sent as": f"fp32 in {bucket:g} MB buckets", "all-reduces": len(chunks),
+                     "MB per process": total_mb, "ms": 1000 * median_seconds(chunks)})
+    default_bucket = 25.0
+    chunks = list(gradients.half().split(max(1, int(default_bucket * 2**20 / 2))))
+    rows.append({"sent as": f"fp16 in {default_bucket:g} MB buckets (compressed)", "all-reduces": len(chunks),
+                 "MB per process": total_mb / 2, "ms": 1000 * median_seconds(chunks)})
+    return rows

@@ -135,6 +135,22 @@ def _plant_file_problems(split: _Split) -> None:
     split.add_image(split.save(image, "size_mismatch.png"), image.size, instances, usable=True,
                     expect=("size_mismatch",), json_size=(image.width + 10, image.height - 10))
 
+    # names that lead out of the image folder, to a usable picture there: must never be read
+    outside = split.root / EXIF_REFERENCE
+    image, instances = split.render()
+    for name in (str(outside.resolve()), f"../{EXIF_REFERENCE}", f"sub/../../{EXIF_REFERENCE}"):
+        split.add_image(name, image.size, instances, usable=False, expect=("bad_file_name",))
+    split.add_image("x" * 300 + ".png", image.size, instances, usable=False, expect=("bad_file_name",))
+
+    # a strip a few pixels thick: torchvision's resize cannot make a batch of it
+    for size in ((600, 2), (3, 400)):
+        strip = Image.new("RGB", size, (200, 30, 30))
+        box = [0.0, 0.0, float(size[0]), float(size[1])]
+        polygon = [0.0, 0.0, box[2], 0.0, box[2], box[3], 0.0, box[3]]
+        split.add_image(split.save(strip, f"strip_{size[0]}x{size[1]}.png"), size,
+                        [{"category_id": 1, "bbox": box, "segmentation": [polygon], "area": size[0] * size[1],
+                          "iscrowd": 0}], usable=False, expect=("extreme_aspect",))
+
 
 def _plant_entry_problems(split: _Split) -> None:
     repeated = split.good_image("repeated")
@@ -177,6 +193,17 @@ def _plant_annotation_problems(split: _Split) -> None:
     add(image_id, {**good, "segmentation": [[1.0, 2.0, 3.0, 4.0]]}, ("bad_polygon",))
     add(image_id, {**good, "segmentation": _rle(np.zeros((height + 1, width), dtype=np.uint8))}, ("bad_rle",))
     add(image_id, {**good, "segmentation": {"size": [height, width], "counts": [5, 10]}}, ("bad_rle",))
+    add(image_id, {**good, "segmentation": {"size": 5, "counts": "abc"}}, ("bad_rle",))  # size not a list
+    add(image_id, {**good, "segmentation": {"size": f"{height} {width}", "counts": "abc"}}, ("bad_rle",))
+    add(image_id, {**good, "bbox": [10**400, 2.0, 5.0, 5.0]}, ("degenerate_box",))  # too big for a float
+    # points far outside the image, and an outline that zigzags across it thousands of times: cheap
+    # here, but of the kind that makes pycocotools segfault or take gigabytes (tests/test_hostile_data.py)
+    far = [3.0, 2.0, 15.0, 2.0, 15.0, 3.0 * height, 3.0, 12.0]
+    zigzag = [v for k in range(2000) for v in (0.5 + (k % 2) * (width - 1), 1.0 + k % 7)]
+    add(image_id, {**good, "segmentation": [far]}, ("absurd_polygon",))
+    add(image_id, {**good, "segmentation": [[-(10**30), 2.0, 15.0, 2.0, 15.0, 12.0]]}, ("absurd_polygon",))
+    add(image_id, {**good, "segmentation": [zigzag]}, ("absurd_polygon",))
+    add(image_id, {**good, "segmentation": [polygon, far]}, ("absurd_polygon",))  # kept: one polygon left
     no_segmentation = {k: v for k, v in good.items() if k != "segmentation"}
     add(image_id, no_segmentation, ("missing_segmentation",))
     add(image_id, {**good, "segmentation": _rle(zeros)}, ("empty_mask",))

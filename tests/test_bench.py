@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import matplotlib.pyplot as plt
 import pytest
 import torch
 
@@ -32,7 +33,7 @@ def test_measure_times_the_training_step_after_warmup():
     # the settings train.py runs with (config.derive): lr scaled from the reference batch to this one
     derived = config.derive(cfg, 1, "cpu")
     assert measured.lr == derived.lr == pytest.approx(cfg.lr * 2 / config.REFERENCE_BATCH)
-    factor = engine.lr_schedule(cfg.warmup_steps, bench.harness.SCHEDULE_STEPS)
+    factor = engine.lr_schedule(cfg.warmup_steps, bench.harness.SCHEDULE_STEPS, cfg.lr_decay)
     assert [r.lr for r in seen] == pytest.approx([derived.lr * factor(r.step - 1) for r in seen])
     with pytest.raises(ValueError, match="natural, fixed or varying"):
         bench.measure(cfg, steps=1, warmup=0, shape="square")
@@ -93,7 +94,6 @@ def test_result_round_trips_and_renders(tmp_path):
     again = bench.BenchResult.load(result.save(tmp_path / "r.json"))
     assert again == result
     assert "| fp32 | 2 |" in again.to_markdown() and "- bf16 skipped" in again.to_markdown()
-    import matplotlib.pyplot as plt
     plt.close(again.plot())
 
 

@@ -96,9 +96,10 @@ def test_bench_data_holds_whole_batches_for_every_process():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU table")
 def test_table_with_eight_processes_on_two_cores():
-    """More processes than cores, at the CPU table's batch of 8 per process: 64 images per step, more
-    than the 32 the benchmark data had, so every worker raised before the data was sized to them."""
-    result = bench.table(nprocs=8, steps=1, warmup=1, min_size=64, max_size=96)
+    """More processes than cores, 5 images each: 40 images per step, more than the 32 the benchmark
+    data had (the CPU table's batch of 8 on more than 4 cores), so every worker raised before the
+    data was sized to the processes."""
+    result = bench.table(nprocs=8, steps=1, warmup=1, min_size=64, max_size=96, batch_size=5)
     setups = [row["setup"] for row in result.rows]
     cores = bench.harness.usable_cores()
     assert setups[0] == f"Single (1 process x {max(1, cores // 8)} thread{'s' * (cores >= 16)})"
@@ -110,12 +111,12 @@ def test_table_with_eight_processes_on_two_cores():
         assert any(f"8 processes share {cores} usable cores" in note for note in result.notes)
 
 
-def test_failed_bench_worker_reaches_the_shell_as_one_line(tmp_path):
-    not_coco = tmp_path / "photos"
-    not_coco.mkdir()
-    (not_coco / "cat.jpg").write_bytes(b"not a picture")
-    command = [sys.executable, "-m", "maskrcnn_tut.bench", "amp", "--preset", "cpu-tiny", "--data-path", str(not_coco),
-               "--steps", "1", "--warmup", "1", "--min-size", "64", "--max-size", "96"]
+def test_failed_bench_worker_reaches_the_shell_as_one_line():
+    """Data of your own with fewer images than one batch: the worker's loader raises, the shell
+    user reads one line (the worker's traceback stays in WorkerError.details)."""
+    too_small = bench.bench_dataset(1)  # 32 images
+    command = [sys.executable, "-m", "maskrcnn_tut.bench", "amp", "--preset", "cpu-tiny", "--data-path", str(too_small),
+               "--batch-size", "64", "--steps", "1", "--warmup", "1", "--min-size", "64", "--max-size", "96"]
     done = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr + done.stdout
@@ -129,3 +130,10 @@ def test_bad_setting_reaches_the_shell_as_one_line():
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [line for line in done.stderr.strip().splitlines()
                                                 if line.startswith("error: --min-size")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without GPUs")
+def test_dataparallel_measure_refuses_plainly_without_two_gpus():
+    cfg = bench.bench_config("cpu-tiny", min_size=64, max_size=96, batch_size=2)
+    with pytest.raises(BenchError, match="DataParallel needs >= 2 GPUs; this machine has 0"):
+        bench.measure(cfg, steps=1, warmup=0, dataparallel=True)

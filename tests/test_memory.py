@@ -1,17 +1,18 @@
 """memory: the breakdown is exact where it can be, and agrees with measured memory growth on CPU."""
 from __future__ import annotations
 
+import matplotlib.pyplot as plt
 import pytest
 
 from maskrcnn_tut.config import make_config
 from maskrcnn_tut.memory import breakdown, measure_growth, memory_table
+from maskrcnn_tut.model import build_model
 
 
 def test_breakdown_sizes_each_part():
     cfg = make_config("cpu-tiny")
     one = breakdown(cfg, 96, 1, "cpu")
     two = breakdown(cfg, 96, 2, "cpu")
-    from maskrcnn_tut.model import build_model
     params = sum(p.numel() for p in build_model(cfg, 4).parameters()) * 4 / 2**20
     assert one.parameters_mb == pytest.approx(params) and one.gradients_mb == pytest.approx(params)
     assert one.optimizer_mb == pytest.approx(2 * params, rel=0.01)  # AdamW: two moments per weight
@@ -38,7 +39,6 @@ def test_memory_table_counts_small_sizes_and_extrapolates_larger_ones():
     assert {r["fits"] for r in rows} <= {"yes", "no"}
     assert any("extrapolated" in note for note in result.notes)
     assert "| image size |" in result.to_markdown()
-    import matplotlib.pyplot as plt
     plt.close(result.plot())
     with pytest.raises(ValueError, match="at least two measure_sizes"):
         memory_table("cpu-tiny", measure_sizes=(96,))

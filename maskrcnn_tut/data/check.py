@@ -20,14 +20,16 @@ SPLITS = ("train", "val")
 
 
 def check_split(cfg, split: str, verify_pixels: bool = False) -> CocoDetection:
-    """Clean `split` as training does (train drops images without annotations, val keeps them)."""
+    """Clean `split` as training does (train drops images without annotations, val keeps them),
+    for a model resizing to `cfg`'s sizes. Always a fresh scan: no cached records are read or written."""
     image_dir, ann_file = dataset_paths(cfg, split)
-    return CocoDetection(image_dir, ann_file, train=split == "train", verify_pixels=verify_pixels)
+    return CocoDetection(image_dir, ann_file, train=split == "train", verify_pixels=verify_pixels,
+                         min_size=cfg.min_size, max_size=cfg.max_size)
 
 
 def format_report(split: str, dataset: CocoDetection, example_width: int = 28) -> str:
     """A fixed-width table of `dataset.report` under a line naming the split and what is usable."""
-    instances = sum(len(t) for t in dataset.targets)
+    instances = dataset.num_instances
     lines = [f"{split}: {dataset.ann_file}: {len(dataset)} usable images, {instances} instances, "
              f"{len(dataset.categories)} categories"]
     rows = dataset.report.rows()
@@ -51,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     for split in SPLITS:
         parser.add_argument(f"--{split}-json", help=f"{split} annotation json (overrides the --data-path layout)")
         parser.add_argument(f"--{split}-images", help=f"{split} image folder (with --{split}-json)")
+    parser.add_argument("--min-size", type=int, help="the model's --min-size (for extreme_aspect; default: cpu-tiny's)")
+    parser.add_argument("--max-size", type=int, help="the model's --max-size (for extreme_aspect; default: cpu-tiny's)")
     parser.add_argument("--verify-pixels", action="store_true",
                         help="decode every image fully (slower; finds corrupt data inside files of any format)")
     return parser

@@ -8,16 +8,22 @@ dropped silently and no mask is built from an encoding that disagrees with its i
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
+import multiprocessing
+import pickle
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+import numpy as np
 from PIL import Image
-from pycocotools import mask as mask_utils
 
 from ..errors import DataError
+from ..hardware import usable_cores
+from .records import Records
+from .segmentation import segmentation_rle
 
 #: Every problem kind a dataset can have, and what the loader does about it.
 PROBLEMS: dict[str, str] = {
@@ -26,19 +32,26 @@ PROBLEMS: dict[str, str] = {
                           "dropped with their annotations (nothing says which file they belong to)",
     "duplicate_annotation_id": "exact repeats dropped; different annotations kept (ids are not used)",
     "unknown_image": "annotation dropped (its image_id is not in images)",
+    "bad_file_name": "image dropped, never opened (file_name absolute, leading out of the image folder "
+                     "with '..', or too long for the filesystem)",
     "missing_image": "image dropped (file not found)",
     "unreadable_image": "image dropped (not an image file Pillow can open)",
     "truncated_image": "image dropped (the file ends early or its pixel data is corrupt)",
     "converted_mode": "converted to 8-bit RGB (grayscale, palette, RGBA, CMYK, 16-bit, float)",
     "exif_rotated": "pixels turned upright by the EXIF orientation; annotations read as upright",
     "size_mismatch": "the file's real (upright) size used; boxes clamped to it, RLE of another size dropped",
+    "extreme_aspect": "image dropped (sides over 50:1, or the shorter side under 2 px once resized to "
+                      "--min-size/--max-size: torchvision's resize fails on it)",
     "unknown_category": "annotation dropped (category_id not in categories)",
     "degenerate_box": "annotation dropped (box missing, not finite, or of zero or sub-pixel size)",
     "box_outside": "annotation dropped (box entirely outside the image)",
     "box_clamped": "box clamped to the image",
     "bad_polygon": "polygon dropped (fewer than 3 points, odd coordinate count or not numbers); "
                    "annotation dropped when none is left",
-    "bad_rle": "annotation dropped (RLE size or run lengths do not match the image)",
+    "absurd_polygon": "polygon dropped (a point over one image size outside the image, or an outline "
+                      "over 100 image perimeters: pycocotools would crash or take gigabytes); "
+                      "annotation dropped when none is left",
+    "bad_rle": "annotation dropped (RLE size or run lengths missing, malformed or not the image's)",
     "missing_segmentation": "annotation dropped (no polygon list or RLE)",
     "empty_mask": "annotation dropped (mask has no pixels)",
     "crowd": "kept out of training targets (COCOeval ignores its region)",
@@ -59,6 +72,14 @@ class DataReport:
         self.counts[kind] += 1
         if len(self.examples[kind]) < 5 and example not in self.examples[kind]:
             self.examples[kind].append(example)
+
+    def merge(self, other: "DataReport") -> None:
+        """Add `other`'s counts and examples (as if its problems were found after this one's)."""
+        for kind, count in other.counts.items():
+            self.counts[kind] += count
+            for example in other.examples[kind]:
+                if len(self.examples[kind]) < 5 and example not in self.examples[kind]:
+                    self.examples[kind].append(example)
 
     def rows(self) -> list[tuple[str, int, str, str]]:
         """(kind, count, example ids, what training does) for every kind found."""
@@ -113,44 +134,84 @@ def category_labels(categories: list[dict]) -> tuple[list[dict], dict]:
 _TRAILERS = {"PNG": b"IEND\xaeB`\x82", "JPEG": b"\xff\xd9"}
 
 
-def _ends_cleanly(path: Path, image_format: str | None) -> bool:
+def _ends_cleanly(f, image_format: str | None) -> bool:
+    """Whether the open file `f` ends as a complete file of its format (True when no cheap check)."""
     trailer = _TRAILERS.get(image_format)
     if trailer is None:
         return True  # no cheap check for this format (`verify_pixels` decodes it)
-    with open(path, "rb") as f:
-        f.seek(0, 2)
-        f.seek(max(0, f.tell() - 64))
-        return trailer in f.read()
+    position = f.tell()
+    f.seek(0, 2)
+    f.seek(max(0, f.tell() - 64))
+    complete = trailer in f.read()
+    f.seek(position)
+    return complete
+
+
+def _may_have_exif(f, image_format: str | None) -> bool:
+    """False for a PNG with no eXIf chunk (read from the chunk headers, without decoding)."""
+    if image_format != "PNG":
+        return True
+    position = f.tell()
+    try:
+        f.seek(8)
+        while True:
+            header = f.read(8)
+            if len(header) < 8 or header[4:] == b"IEND":
+                return False
+            if header[4:] == b"eXIf":
+                return True
+            f.seek(int.from_bytes(header[:4], "big") + 4, 1)
+    finally:
+        f.seek(position)
+
+
+def confined_path(image_dir: Path, file_name: str) -> Path | None:
+    """`image_dir / file_name`, or None when the name could point outside the folder (absolute, a
+    `..` part) or is no file name at all. Symbolic links inside the folder are the user's layout."""
+    if not file_name or "\x00" in file_name:
+        return None
+    pure = PurePosixPath(file_name)
+    if pure.is_absolute() or ".." in pure.parts or Path(file_name).is_absolute():
+        return None
+    return image_dir / file_name
 
 
 def probe_image(path: Path, report: DataReport, image_id, verify_pixels: bool) -> tuple[int, int] | None:
     """The upright size of a usable image file, else None (counted).
 
     Reads the header, and decodes the pixels only when the file does not end like a complete PNG
-    or JPEG (or when `verify_pixels`), so a start-up scan of COCO stays cheap.
+    or JPEG (or when `verify_pixels`), so a start-up scan of COCO stays cheap (one open per file).
     """
-    if not path.is_file():
-        report.add("missing_image", image_id)
-        return None
     try:
-        img = Image.open(path)
-    except Exception:  # Pillow raises many types for files it cannot identify
-        report.add("unreadable_image", image_id)
+        f = open(path, "rb")
+    except OSError as err:
+        if err.errno == errno.ENAMETOOLONG:
+            report.add("bad_file_name", image_id)
+        elif err.errno in (errno.ENOENT, errno.ENOTDIR):
+            report.add("missing_image", image_id)
+        else:  # a folder, no permission, an I/O error: there, but not an image file to read
+            report.add("unreadable_image", image_id)
         return None
-    with img:
+    with f:
         try:
-            if verify_pixels or not _ends_cleanly(path, img.format):
-                img.load()
-        except Exception:  # truncated or corrupt pixel data, whatever the decoder raises
-            report.add("truncated_image", image_id)
+            img = Image.open(f)
+        except Exception:  # Pillow raises many types for files it cannot identify
+            report.add("unreadable_image", image_id)
             return None
-        width, height = img.size
-        if img.mode != "RGB":
-            report.add("converted_mode", image_id)
-        try:
-            orientation = img.getexif().get(0x0112, 1)
-        except Exception:  # a broken EXIF block is ignored, as exif_transpose ignores it
-            orientation = 1
+        with img:
+            try:
+                if verify_pixels or not _ends_cleanly(f, img.format):
+                    img.load()
+            except Exception:  # truncated or corrupt pixel data, whatever the decoder raises
+                report.add("truncated_image", image_id)
+                return None
+            width, height = img.size
+            if img.mode != "RGB":
+                report.add("converted_mode", image_id)
+            try:  # Pillow decodes a whole PNG to look for EXIF: only when the file has a block
+                orientation = img.getexif().get(0x0112, 1) if _may_have_exif(f, img.format) else 1
+            except Exception:  # a broken EXIF block is ignored, as exif_transpose ignores it
+                orientation = 1
     if orientation in (5, 6, 7, 8):
         width, height = height, width
     if orientation not in (None, 1):
@@ -158,89 +219,42 @@ def probe_image(path: Path, report: DataReport, image_id, verify_pixels: bool) -
     return width, height
 
 
-def _valid_polygon(polygon) -> bool:
-    return (isinstance(polygon, list) and len(polygon) >= 6 and len(polygon) % 2 == 0
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in polygon))
+#: Beyond this ratio of its sides an image is not a photo of objects but a strip of pixels.
+MAX_ASPECT_RATIO = 50
+#: The shorter side, once resized for the model, must keep at least this many pixels.
+MIN_RESIZED_SIDE = 2
 
 
-def _compressed_rle_runs(counts: str) -> list[int]:
-    """Run lengths of COCO's compressed RLE string (pycocotools' rleFrString, in Python so a bad
-    string is caught here rather than overrunning the decoder's buffer)."""
-    runs: list[int] = []
-    position = 0
-    while position < len(counts):
-        value, shift, more = 0, 0, True
-        while more:
-            if position >= len(counts):
-                raise ValueError("RLE string ends inside a number")
-            char = ord(counts[position]) - 48
-            if not 0 <= char < 64:
-                raise ValueError(f"RLE string has an invalid character {counts[position]!r}")
-            value |= (char & 0x1F) << shift
-            more = bool(char & 0x20)
-            position += 1
-            shift += 5
-            if not more and char & 0x10:
-                value |= -1 << shift
-        if len(runs) > 2:
-            value += runs[-2]
-        runs.append(value)
-    return runs
+def resize_fails(widths, heights, min_size: int | None, max_size: int | None) -> np.ndarray:
+    """Per image, True when torchvision's `GeneralizedRCNNTransform` cannot use it: sides over
+    `MAX_ASPECT_RATIO`:1, or (with sizes given) a shorter side under `MIN_RESIZED_SIDE` px after
+    its resize (scale = min(min_size / short side, max_size / long side); under 1 px it crashes)."""
+    widths, heights = np.asarray(widths, dtype=np.float64), np.asarray(heights, dtype=np.float64)
+    short, long = np.minimum(widths, heights), np.maximum(widths, heights)
+    fails = long > MAX_ASPECT_RATIO * short
+    if min_size and max_size:
+        scale = np.minimum(min_size / short, max_size / long)
+        fails |= short * scale < MIN_RESIZED_SIDE
+    return fails
 
 
-def _rle(seg: dict, width: int, height: int):
-    """A pycocotools RLE for an RLE dict whose size and run lengths fit the image, else None."""
-    counts = seg.get("counts")
-    if list(seg.get("size") or []) != [height, width]:
-        return None
-    if isinstance(counts, list):  # uncompressed RLE, as COCO writes crowd regions
-        valid = all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
-        return mask_utils.frPyObjects(seg, height, width) if valid and sum(counts) == width * height else None
-    if isinstance(counts, bytes):
-        counts = counts.decode("ascii", errors="replace")
-    if not isinstance(counts, str):
-        return None
-    try:
-        runs = _compressed_rle_runs(counts)
-    except ValueError:
-        return None
-    if min(runs, default=0) < 0 or sum(runs) != width * height:
-        return None
-    return {"size": [height, width], "counts": counts.encode("ascii")}
-
-
-def segmentation_rle(seg, width: int, height: int, report: DataReport, ann_id):
-    """A pycocotools RLE of any valid COCO encoding (polygons, compressed or uncompressed RLE),
-    or None (counted) when nothing usable remains."""
-    if isinstance(seg, list) and seg:
-        polygons = [p for p in seg if _valid_polygon(p)]
-        if len(polygons) != len(seg):
-            report.add("bad_polygon", ann_id)
-        if not polygons:
+def _number(value) -> float | None:
+    """A finite JSON number as a float, else None (no bools, strings, NaN, inf or huge ints)."""
+    kind = type(value)
+    if kind is float:
+        return value if math.isfinite(value) else None
+    if kind is int:
+        try:
+            return float(value)
+        except OverflowError:
             return None
-        return mask_utils.merge(mask_utils.frPyObjects(polygons, height, width))
-    if isinstance(seg, dict) and "counts" in seg:
-        rle = _rle(seg, width, height)
-        if rle is None:
-            report.add("bad_rle", ann_id)
-        return rle
-    report.add("missing_segmentation", ann_id)
     return None
-
-
-def _xywh(bbox) -> tuple[float, float, float, float] | None:
-    """A finite [x, y, w, h], else None."""
-    if not isinstance(bbox, (list, tuple)) or len(bbox) != 4:
-        return None
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in bbox):
-        return None
-    return tuple(float(v) for v in bbox)
 
 
 def clean_box(bbox, width: int, height: int, report: DataReport, ann_id) -> list[float] | None:
     """The box as XYXY inside the image, or None (counted) when it cannot be used."""
-    xywh = _xywh(bbox)
-    if xywh is None or xywh[2] <= 0 or xywh[3] <= 0:
+    xywh = [_number(v) for v in bbox] if isinstance(bbox, (list, tuple)) and len(bbox) == 4 else None
+    if xywh is None or None in xywh or xywh[2] <= 0 or xywh[3] <= 0:
         report.add("degenerate_box", ann_id)
         return None
     x, y, w, h = xywh
@@ -296,8 +310,8 @@ def _annotations_by_image(entries: list, image_ids: set, report: DataReport) -> 
 
 
 def clean_annotations(anns: list[dict], width: int, height: int, cat_to_label: dict,
-                      report: DataReport) -> tuple[list[dict], list[dict]]:
-    """(usable instances, crowd regions) of one image, each a dict of XYXY `box`, `label` and `rle`."""
+                      report: DataReport) -> tuple[list[tuple], list[tuple]]:
+    """(usable instances, crowd regions) of one image, each an `INSTANCE` tuple."""
     usable, crowds = [], []
     for ann in anns:
         ann_id = ann.get("id")
@@ -308,13 +322,14 @@ def clean_annotations(anns: list[dict], width: int, height: int, cat_to_label: d
         box = clean_box(ann.get("bbox"), width, height, report, ann_id)
         if box is None:
             continue
-        rle = segmentation_rle(ann.get("segmentation"), width, height, report, ann_id)
-        if rle is None:
+        found = segmentation_rle(ann.get("segmentation"), width, height, report, ann_id)
+        if found is None:
             continue
-        if mask_utils.area(rle) == 0:
+        counts, area = found
+        if area == 0:
             report.add("empty_mask", ann_id)
             continue
-        instance = {"box": box, "label": cat_to_label[category], "rle": rle}
+        instance = (*box, cat_to_label[category], counts, area)
         if ann.get("iscrowd", 0):
             report.add("crowd", ann_id)
             crowds.append(instance)
@@ -323,32 +338,77 @@ def clean_annotations(anns: list[dict], width: int, height: int, cat_to_label: d
     return usable, crowds
 
 
-def clean_coco(data: dict, image_dir: Path | str, train: bool = True, verify_pixels: bool = False
-               ) -> tuple[list[dict], list[list[dict]], list[list[dict]], DataReport]:
-    """(images, targets, crowds, report) of a `load_coco_json` dict whose files are in `image_dir`.
+#: A cleaned image: `(id, file_name, width, height, instances, crowds, source_id)`; `id` is the
+#: json's integer id (or, when any id in the json is a string, the image's 1-based position, as
+#: pycocotools needs ints), `source_id` the json's own. Instances and crowds are `INSTANCE`s.
+RECORD = ("id", "file_name", "width", "height", "instances", "crowds", "source_id")
+#: A cleaned instance: XYXY box inside the image, contiguous label, compressed RLE, mask area.
+INSTANCE = ("x0", "y0", "x1", "y1", "label", "counts", "area")
 
-    `images` are `{id, file_name, width, height}` with the files' real upright size; `targets[i]`
-    and `crowds[i]` are image i's usable instances and crowd regions (`clean_annotations`), with
-    labels from `category_labels`. `train=True` drops images with no usable instance (they teach
-    nothing to a detector); evaluation keeps every readable image.
-    """
-    image_dir, report = Path(image_dir), DataReport()
-    _, cat_to_label = category_labels(data["categories"])
-    unique, image_ids = _unique_images(data["images"], report)
-    anns_by_image = _annotations_by_image(data["annotations"], image_ids, report)
-    images, targets, crowds = [], [], []
-    for image_id, img in unique.items():
-        size = probe_image(image_dir / img["file_name"], report, image_id, verify_pixels)
+
+#: Datasets with more images are cleaned by forked processes, one per usable core.
+PARALLEL_MIN_IMAGES = 5_000
+_JOB: dict = {}  # what forked cleaners read (inherited, not pickled): set by clean_coco
+
+
+def _clean_images(start: int, stop: int) -> tuple[list[bytes], list[tuple], DataReport]:
+    """Pickled records, sizes and report of the unique images at positions start..stop."""
+    job, report, items, sizes = _JOB, DataReport(), [], []
+    for position in range(start, stop):
+        image_id, img = job["images"][position]
+        path = confined_path(job["image_dir"], img["file_name"])
+        if path is None:
+            report.add("bad_file_name", image_id)
+            continue
+        size = probe_image(path, report, image_id, job["verify_pixels"])
         if size is None:
             continue
         width, height = size
         if (img.get("width"), img.get("height")) != (width, height):
             report.add("size_mismatch", image_id)
-        usable, crowd = clean_annotations(anns_by_image.get(image_id, []), width, height, cat_to_label, report)
-        if not usable and train:
+        usable, crowd = clean_annotations(job["anns"].get(image_id, []), width, height, job["labels"], report)
+        if not usable and job["train"]:
             report.add("no_annotations", image_id)
             continue
-        images.append({"id": image_id, "file_name": img["file_name"], "width": width, "height": height})
-        targets.append(usable)
-        crowds.append(crowd)
-    return images, targets, crowds, report
+        record = (image_id if job["int_ids"] else position + 1, img["file_name"], width, height, usable, crowd, image_id)
+        items.append(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
+        sizes.append((width, height, len(usable)))
+    return items, sizes, report
+
+
+def clean_coco(data: dict, image_dir: Path | str, train: bool = True, verify_pixels: bool = False,
+               processes: int | None = None) -> tuple[Records, DataReport, np.ndarray]:
+    """(records, report, sizes) of a `load_coco_json` dict whose files are in `image_dir`.
+
+    One `RECORD` per usable image, with the file's real upright size, its usable instances and
+    crowd regions (`clean_annotations`), labels from `category_labels`. `train=True` drops images
+    with no usable instance (they teach nothing to a detector); evaluation keeps every readable
+    image. Records are pickled in one buffer (`Records`): no per-instance Python objects stay.
+    `sizes[i]` is record i's (width, height, number of instances). Large datasets are cleaned by
+    `processes` forked processes (default: one per usable core), with the same result.
+    """
+    report = DataReport()
+    _, cat_to_label = category_labels(data["categories"])
+    unique, image_ids = _unique_images(data["images"], report)
+    anns = _annotations_by_image(data["annotations"], image_ids, report)
+    _JOB.update(images=list(unique.items()), anns=anns, image_dir=Path(image_dir), labels=cat_to_label,
+                train=train, verify_pixels=verify_pixels, int_ids=all(type(i) is int for i in unique))
+    n = len(unique)
+    if processes is None:
+        processes = usable_cores() if n >= PARALLEL_MIN_IMAGES else 1
+    bounds = np.linspace(0, n, max(1, min(processes, n)) + 1).astype(int)
+    chunks = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+    try:
+        if len(chunks) > 1:
+            with multiprocessing.get_context("fork").Pool(len(chunks)) as pool:
+                parts = pool.starmap(_clean_images, chunks)
+        else:
+            parts = [_clean_images(*chunk) for chunk in chunks]
+    finally:
+        _JOB.clear()
+    items, sizes = [], []
+    for chunk_items, chunk_sizes, chunk_report in parts:
+        items += chunk_items
+        sizes += chunk_sizes
+        report.merge(chunk_report)
+    return Records.from_bytes(items), report, np.array(sizes, dtype=np.int64).reshape(-1, 3)

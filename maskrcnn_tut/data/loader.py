@@ -3,8 +3,9 @@
 Batches stay uint8 on the host (four times less to copy than float32); `to_device` converts them
 to float on the device. Sampling is deterministic given (seed, epoch), and `ResumableBatches`
 can skip the batches a resumed run has already seen, so a restart continues the same sequence.
-`batch_stream` is how training reads batches: forever, epoch after epoch, counting in the main
-process the images that failed to decode inside worker processes.
+`batch_stream` is how training reads batches: forever, epoch after epoch; `iterate` is how every
+loader is read (training and evaluation): it counts in the main process the images that failed to
+decode inside worker processes, and turns a worker's `DataError` into the same one line.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torchvision.transforms import v2
 
 from ..errors import DataError
 from .coco import LOAD_FAILED_KEY, CocoDetection, coco_paths
+from .shapes import default_cache_dir
 
 
 def train_transforms() -> v2.Transform:
@@ -123,9 +125,24 @@ def build_train_loader(dataset: CocoDetection, cfg, rank: int, world_size: int) 
                                       cfg.prefetch_factor))
 
 
+class EvalShard(Subset):
+    """Every world_size-th image of a dataset, where an image that fails to decode is not replaced
+    by the next one (that image would be scored twice) but comes as a placeholder carrying the
+    failure (`CocoDetection.sample(substitute=False)`), which `evaluate.predict` leaves out."""
+
+    def __init__(self, dataset: CocoDetection, rank: int, world_size: int):
+        super().__init__(dataset, range(rank, len(dataset), world_size))
+
+    def __getitem__(self, index):
+        return self.dataset.sample(self.indices[index], substitute=False)
+
+    def __getitems__(self, indices: list[int]) -> list:
+        return [self[i] for i in indices]
+
+
 def build_eval_loader(dataset: CocoDetection, cfg, rank: int, world_size: int) -> DataLoader:
     """Each rank evaluates every world_size-th image: no padding, so no duplicated predictions."""
-    shard = torch.utils.data.Subset(dataset, list(range(rank, len(dataset), world_size)))
+    shard = EvalShard(dataset, rank, world_size)
     return DataLoader(shard, batch_size=cfg.batch_size, sampler=SequentialSampler(shard),
                       **loader_kwargs(min(cfg.workers, 1), bool(cfg.pin_memory), False, cfg.prefetch_factor))
 
@@ -139,9 +156,16 @@ def dataset_paths(cfg, split: str) -> tuple[Path, Path]:
     return coco_paths(cfg.data_path, split)
 
 
+def records_cache_dir() -> Path:
+    """Where large datasets' cleaned records are kept: `$MASKRCNN_TUT_CACHE/coco-records`."""
+    return default_cache_dir() / "coco-records"
+
+
 def build_datasets(cfg) -> tuple[CocoDetection, CocoDetection]:
-    train = CocoDetection(*dataset_paths(cfg, "train"), transforms=train_transforms(), train=True)
-    val = CocoDetection(*dataset_paths(cfg, "val"), transforms=None, train=False)
+    """Both splits, cleaned as for a model resizing to --min-size/--max-size (`extreme_aspect`)."""
+    common = dict(min_size=cfg.min_size, max_size=cfg.max_size, cache_dir=records_cache_dir())
+    train = CocoDetection(*dataset_paths(cfg, "train"), transforms=train_transforms(), train=True, **common)
+    val = CocoDetection(*dataset_paths(cfg, "val"), transforms=None, train=False, **common)
     return train, val
 
 
@@ -155,21 +179,42 @@ def _base_dataset(dataset):
     return dataset
 
 
-def batch_stream(loader: DataLoader, state) -> Iterator:
-    """Batches forever, epoch after epoch, starting at `state`'s position; keeps `state` current.
+def _worker_message(err: DataError) -> str:
+    """The one-line message of a `DataError` a DataLoader worker raised (the DataLoader re-raises
+    it with the worker's traceback in the message)."""
+    text = str(err)
+    if not text.startswith("Caught DataError"):
+        return text
+    marker = "DataError: "
+    last = text.rstrip().splitlines()[-1]
+    return last.split(marker, 1)[1] if marker in last else last
 
-    `state` has `epoch` and `batch_in_epoch` (a `TrainState`). Decode failures that samples carry
-    from worker processes (`LOAD_FAILED_KEY`) are stripped from the targets and counted in the
-    dataset's `report` here, in the main process (a worker's copy of the report is never read).
-    """
+
+def iterate(loader: DataLoader) -> Iterator:
+    """The loader's batches, with the decode failures that samples carry (`LOAD_FAILED_KEY`)
+    stripped from the targets and counted in the dataset's `report` here, in the main process (a
+    worker's copy of the report is never read), and a worker's `DataError` as one line."""
     dataset = _base_dataset(loader.dataset)
-    while True:
-        loader.batch_sampler.set_epoch(state.epoch, skip=state.batch_in_epoch)
+    try:
         for batch in loader:
             for target in batch[1]:
                 failures = target.pop(LOAD_FAILED_KEY, None)
                 if failures:
                     dataset.record_load_failures(failures)
+            yield batch
+    except DataError as err:
+        raise DataError(_worker_message(err)) from None
+
+
+def batch_stream(loader: DataLoader, state) -> Iterator:
+    """Batches forever, epoch after epoch, starting at `state`'s position; keeps `state` current.
+
+    `state` has `epoch` and `batch_in_epoch` (a `TrainState`). Batches come through `iterate`
+    (decode failures in workers counted in the main process).
+    """
+    while True:
+        loader.batch_sampler.set_epoch(state.epoch, skip=state.batch_in_epoch)
+        for batch in iterate(loader):
             state.batch_in_epoch += 1
             yield batch
         state.epoch += 1
