@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from maskrcnn_tut import distributed as du
-from maskrcnn_tut import monitor
 from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.dashboard import LiveDashboard, plot_metrics
 from maskrcnn_tut.engine import StepRecord, TrainState, build_optimizer, make_scaler, train_step

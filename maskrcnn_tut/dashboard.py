@@ -1,0 +1,118 @@
+"""Notebook views of a run's figures: `plot_metrics` and the live ipywidgets dashboard.
+
+- `plot_metrics(rows)`: data vs compute time per step, throughput and peak memory (rows as in
+  `metrics.jsonl` or `monitor.step_row`).
+- `LiveDashboard(global_batch)`: a training callback that shows progress, img/s, data share, memory
+  and GPU use while training runs in a notebook, and leaves a static matplotlib figure in the
+  rendered page.
+
+matplotlib and ipywidgets are imported only when a figure or widget is made, and `train.py` and
+`monitor` never import this module: training on a server needs neither.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from . import distributed as du
+from .hardware import device_memory_mb, hardware_label
+from .monitor import MAX_MEMORY_FRACTION, GPUSampler, step_row
+
+
+def plot_metrics(rows: list[dict], title: str = "Training step", total_memory_mb: float | None = None):
+    """Three panels from metric rows: data vs compute time per step, img/s, peak memory."""
+    import matplotlib.pyplot as plt
+
+    steps = [row["step"] for row in rows]
+    data = [row["data_time"] for row in rows]
+    compute = [row["iter_time"] - row["data_time"] for row in rows]
+    fig, (ax_time, ax_speed, ax_memory) = plt.subplots(1, 3, figsize=(12, 3.4))
+    ax_time.bar(steps, compute, label="compute", color="tab:blue")
+    ax_time.bar(steps, data, bottom=compute, label="data (waiting for the loader)", color="tab:orange")
+    ax_time.set(title="Where a step's time goes", xlabel="step", ylabel="seconds per step")
+    ax_time.legend(fontsize=8)
+    ax_speed.plot(steps, [row["img_per_s"] for row in rows], marker=".", color="tab:green")
+    if rows:
+        median = statistics.median(row["img_per_s"] for row in rows)
+        ax_speed.axhline(median, color="gray", linestyle="--", label=f"median {median:.2f}")
+        ax_speed.legend(fontsize=8)
+    ax_speed.set(title="Throughput", xlabel="step", ylabel="images / s", ylim=(0, None))
+    ax_memory.plot(steps, [row["max_mem_mb"] for row in rows], marker=".", color="tab:purple", label="peak")
+    if total_memory_mb:
+        ax_memory.axhline(MAX_MEMORY_FRACTION * total_memory_mb, color="tab:red", linestyle="--",
+                          label=f"{MAX_MEMORY_FRACTION:.0%} of {total_memory_mb:.0f} MiB")
+    ax_memory.set(title="Peak memory", xlabel="step", ylabel="MiB", ylim=(0, None))
+    ax_memory.legend(fontsize=8)
+    for ax in (ax_time, ax_speed, ax_memory):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{title} — {hardware_label()}")
+    fig.tight_layout()
+    return fig
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
+
+
+class LiveDashboard:
+    """Training callback that shows progress, img/s, data share, memory and GPU use while training
+    runs in a notebook, and redraws `plot_metrics` every `redraw_every` steps.
+
+    The numbers live in ipywidgets; the figure is an ordinary display output that each redraw
+    replaces, so the executed notebook (and the rendered page) keeps the last one as a static
+    picture. Call `close()` after training for the final figure. Outside a notebook it only
+    collects `rows`.
+    """
+
+    def __init__(self, global_batch: int, total_steps: int | None = None, device: torch.device | None = None,
+                 redraw_every: int = 10, gpus: GPUSampler | None = None, title: str = "Training step"):
+        self.global_batch, self.redraw_every, self.gpus, self.title = global_batch, redraw_every, gpus, title
+        self.device = device or du.info().device
+        self.rows: list[dict] = []
+        self.live = _in_notebook()
+        if self.live:
+            import ipywidgets as widgets
+            from IPython.display import HTML, display
+            self.progress = widgets.IntProgress(value=0, min=0, max=total_steps or 1, description="steps")
+            self.status = widgets.HTML("waiting for the first step")
+            display(widgets.VBox([self.progress, self.status]))
+            self.figure_handle = display(HTML(f"<i>the figure appears after step {redraw_every}</i>"),
+                                         display_id=True)
+
+    def __call__(self, record) -> None:
+        self.rows.append(step_row(record, self.global_batch, self.device))
+        if self.live:
+            self._update_status()
+            if record.step % self.redraw_every == 0:
+                self.redraw()
+
+    def _update_status(self) -> None:
+        row = self.rows[-1]
+        self.progress.value = min(row["step"], self.progress.max)
+        text = (f"step {row['step']}: loss {row['loss']:.3f}, {row['img_per_s']:.2f} img/s, "
+                f"data {100 * row['data_time'] / row['iter_time']:.0f} % of the step, "
+                f"peak memory {row['max_mem_mb']:.0f} MiB")
+        if self.gpus is not None and self.gpus.available:
+            text += "; " + ", ".join(f"GPU {g['gpu']} {g['util']:.0f} %" for g in self.gpus.latest())
+        self.status.value = text
+
+    def figure(self):
+        gpu_total = device_memory_mb(self.device) if self.device.type == "cuda" else None
+        return plot_metrics(self.rows, self.title, gpu_total)
+
+    def redraw(self) -> None:
+        import matplotlib.pyplot as plt
+        fig = self.figure()
+        self.figure_handle.update(fig)
+        plt.close(fig)
+
+    def close(self) -> None:
+        """Draw the final figure (in a notebook; elsewhere call `figure()`)."""
+        if self.live and self.rows:
+            self.redraw()
