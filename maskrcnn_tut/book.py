@@ -114,6 +114,17 @@ def glue(name: str, value: Any, fmt: str = "") -> None:
     myst_glue(name, format(value, fmt), display=False)
 
 
+def prose(markdown: str) -> None:
+    """A paragraph whose numbers this run measured, shown as text (tag its cell `remove-input`).
+
+    `{glue:text}` placeholders in markdown cells render in the built book but stay raw in
+    JupyterLab, where the launch button takes readers; a paragraph displayed from a code cell
+    reads the same in both.
+    """
+    from IPython.display import Markdown, display
+    display(Markdown(markdown))
+
+
 def source_listing(obj, start: str | None = None, stop: str | None = None) -> str:
     """A package function's code as markdown, named by file and lines: from the first line
     containing `start` (default: the first line) up to and including the next line containing
