@@ -1,0 +1,50 @@
+"""Benchmarks: the article's speed table and the technique sweeps, measured on this machine.
+
+API (each returns a `BenchResult`: `.rows`, `.row(prefix)`, `.notes`, `.provenance`,
+`.to_markdown()`, `.plot()`, `.save(path)`; `BenchResult.load(path)` reads one back). The shell
+runs the same functions: `python -m maskrcnn_tut.bench NAME [--out FILE] [--plot PNG]`.
+
+- `table()`: rows Single, DP(N), DDP(N) for the N devices present: img/s, peak memory per device,
+  total memory, speedup, scaling efficiency. On CPUs a device is a core: DDP(N) is N gloo
+  processes x 1 thread, compared with one process x 1 thread (the fair baseline) and one process
+  x N threads; DP is marked as needing >= 2 GPUs, and on one GPU so is DDP (`result.row("DDP")`
+  is then None).
+- `sweep_loader()`, `sweep_amp()`, `sweep_cudnn()`, `sweep_accum()`, `sweep_size()`,
+  `sweep_channels_last()`: one technique each (`SWEEPS` by command name).
+- `gpu_suite(max_minutes=8)`: the table on every GPU, AMP, cudnn.benchmark and channels_last with
+  R50-FPN at 800 px, bounded in time; writes `book/results/<hardware>-<date>.json`
+  (`python -m maskrcnn_tut.bench --suite gpu --max-minutes 8`). `load_suite(path)` reads it.
+- `measure(cfg, steps, warmup)`: the measurement underneath, in this process (callbacks get every
+  `StepRecord`, e.g. `monitor.LiveDashboard`); `bench_config(...)` the config it measures.
+
+How it measures: the real Mask R-CNN of the preset (`cpu-tiny` on CPUs, `gpu-r50` on GPUs) trains
+on shapes-dataset batches through `engine.train_step`, the step `train.py` runs, with the settings
+`config.derive` resolves for train.py (global batch, scaled lr, pin_memory, precision). Warm-up
+steps are excluded; img/s is images per step over the median step time of the slowest rank; peak
+memory is the CUDA allocator's peak per GPU, or each process's peak resident memory on CPU. Every
+table row and every sweep runs in fresh worker processes started by `distributed.launch`, each with
+its thread count set (`torch.set_num_threads`, OMP_NUM_THREADS) and, on CPUs, bound to cores of its
+own, so results do not depend on what the calling notebook did before. Results carry hardware
+provenance (`hardware.provenance`: CPU, cores, GPUs, torch / CUDA / cuDNN / NCCL versions, date,
+command) and say when a knob made no difference here, and why. Every public function also takes
+Config fields as keyword overrides (`table(batch_size=8)`, `sweep_amp(min_size=96)`).
+
+Modules: `harness` (the measurement and its worker processes), `results` (BenchResult, its table,
+plots and files), `scaling` (the speed table, `table`), `sweeps`, `gpu` (the GPU suite), `cli` (the shell).
+"""
+from .cli import build_parser, main
+from .gpu import gpu_suite
+from .harness import (BENCH_SHAPES, Measurement, bench_config, bench_dataset, environment, launch_measure,
+                      measure, measure_worker, multiscale_sizes, pin_cores)
+from .results import BenchResult, load_suite, markdown_table, python_call, results_path
+from .sweeps import (NO_DIFFERENCE, SWEEP_COLUMNS, SWEEPS, knob_note, sweep_accum, sweep_amp, sweep_channels_last,
+                     sweep_cudnn, sweep_loader, sweep_size)
+from .scaling import CPU_TABLE_BATCH, TABLE_COLUMNS, table
+
+__all__ = [
+    "BENCH_SHAPES", "CPU_TABLE_BATCH", "NO_DIFFERENCE", "SWEEPS", "SWEEP_COLUMNS", "TABLE_COLUMNS", "BenchResult",
+    "Measurement", "bench_config", "bench_dataset", "build_parser", "environment", "gpu_suite", "knob_note",
+    "launch_measure", "load_suite", "main", "markdown_table", "measure", "measure_worker", "multiscale_sizes",
+    "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
+    "sweep_loader", "sweep_size", "table",
+]

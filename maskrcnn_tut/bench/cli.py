@@ -1,0 +1,71 @@
+"""`python -m maskrcnn_tut.bench NAME [--out FILE] [--plot PNG]`: the speed table, a sweep, or the GPU suite.
+
+A `UserError` (bad settings, no GPU for the suite, a benchmark worker that failed) prints as one
+line, `error: <message>`, and exits with its code; anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from ..errors import UserError
+from .gpu import gpu_suite
+from .sweeps import SWEEPS
+from .scaling import table
+
+OPTIONS = ("preset", "data_path", "steps", "warmup", "batch_size", "min_size", "max_size", "nprocs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m maskrcnn_tut.bench",
+        description="Measure the article's speed table and the technique sweeps on this machine.")
+    parser.add_argument("--suite", choices=["gpu"], help="one bounded run of everything on a GPU machine")
+    parser.add_argument("--max-minutes", type=float, default=8.0, help="time budget of --suite gpu")
+    parser.add_argument("--results-dir", default="book/results", help="where --suite gpu writes its JSON")
+    commands = parser.add_subparsers(dest="command", metavar="NAME")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--preset", help="cpu-tiny or gpu-r50 (default: by hardware)")
+    common.add_argument("--data-path", help="COCO root (default: the benchmark's shapes data)")
+    common.add_argument("--steps", type=int, help="measured steps (after warm-up)")
+    common.add_argument("--warmup", type=int, help="warm-up steps, not measured")
+    common.add_argument("--batch-size", type=int, help="images per process (per GPU) and step")
+    common.add_argument("--min-size", type=int, help="shorter image side in pixels")
+    common.add_argument("--max-size", type=int, help="longer image side cap in pixels")
+    common.add_argument("--out", help="write the result as JSON to this file")
+    common.add_argument("--plot", help="save the result's plot to this image file")
+    table_cmd = commands.add_parser("table", parents=[common], help="Single / DP(N) / DDP(N) speed table")
+    table_cmd.add_argument("--nprocs", type=int, help="N (default: GPUs present, else CPU cores)")
+    for name, sweep in SWEEPS.items():
+        commands.add_parser(name, parents=[common], help=sweep.__doc__.splitlines()[0])
+    return parser
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    if args.suite == "gpu":
+        print(f"wrote {gpu_suite(args.max_minutes, args.results_dir)}")
+        return 0
+    if args.command is None:
+        build_parser().print_help()
+        return 2
+    options = {k: getattr(args, k) for k in OPTIONS if getattr(args, k, None) is not None}
+    result = (table if args.command == "table" else SWEEPS[args.command])(**options)
+    result.provenance["command"] = command
+    print(result.to_markdown())
+    if args.out:
+        print(f"wrote {result.save(args.out)}")
+    if args.plot:
+        result.plot().savefig(args.plot, dpi=120, bbox_inches="tight")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args, "python -m maskrcnn_tut.bench " + shlex.join(argv))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code

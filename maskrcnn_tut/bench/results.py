@@ -1,0 +1,164 @@
+"""What a benchmark measured: `BenchResult` (rows, notes, provenance), its markdown table and plots,
+and the files of the GPU suite (`results_path`, `load_suite`)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+
+
+def _cell(value: Any, floatfmt: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return format(value, floatfmt)
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None, floatfmt: str = ".3g") -> str:
+    """Rows of dicts as a markdown table (columns: the first row's keys unless given; None as blank)."""
+    if not rows:
+        return "(no rows)"
+    columns = list(columns or rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c), floatfmt) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def python_call(name: str, **kwargs) -> str:
+    """The Python call that produced a result, for its provenance (None arguments left out)."""
+    shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if v is not None)
+    return f"maskrcnn_tut.{name}({shown})"
+
+
+def row_label(row: dict) -> str:
+    """A row's name: its setup (speed table) or setting (sweeps)."""
+    return str(row.get("setup", row.get("setting", "")))
+
+
+@dataclass
+class BenchResult:
+    """What one benchmark measured: rows (dicts), the columns to show, notes and provenance."""
+
+    name: str
+    title: str
+    rows: list[dict]
+    columns: list[str]
+    notes: list[str] = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)
+
+    def row(self, prefix: str, measured: bool = True) -> dict | None:
+        """The first row whose setup (or setting) starts with `prefix`, or None when there is none,
+        e.g. `row("DDP")` on a machine with one GPU. measured=True passes over the rows that only
+        say why a setup was not run (they have no img/s)."""
+        return next((row for row in self.rows if row_label(row).startswith(prefix)
+                     and (not measured or row.get("img/s") is not None)), None)
+
+    def to_markdown(self) -> str:
+        lines = [f"**{self.title}** ({self.provenance.get('hardware', '')})", "",
+                 markdown_table(self.rows, self.columns)]
+        lines += [""] + [f"- {note}" for note in self.notes] if self.notes else []
+        return "\n".join(lines)
+
+    def _repr_markdown_(self) -> str:
+        return self.to_markdown()
+
+    def plot(self):
+        """A bar chart of img/s and peak memory per row (per image size and batch for memory)."""
+        return _PLOTS.get(self.name, _plot_sweep)(self)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: Path | str) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BenchResult:
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: Path | str) -> BenchResult:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _pyplot():
+    """matplotlib's pyplot, imported on the first plot: every benchmark worker process imports this
+    package, and none of them draws (pyplot would add about half a second to each start)."""
+    import matplotlib.pyplot as plt
+    return plt
+
+def _plot_sweep(result: BenchResult):
+    plt = _pyplot()
+    measured = [row for row in result.rows if row.get("img/s") is not None]
+    labels = [row_label(row) for row in measured]
+    fig, (ax_speed, ax_memory) = plt.subplots(1, 2, figsize=(11, 3.2 + 0.12 * len(labels)))
+    ax_speed.barh(labels, [row["img/s"] for row in measured], color="tab:green")
+    ax_speed.set(xlabel="images / s (median step)", title="Throughput")
+    ax_memory.barh(labels, [row["peak MiB/device"] for row in measured], color="tab:purple")
+    ax_memory.set(xlabel="MiB", title="Peak memory per device")
+    for ax in (ax_speed, ax_memory):
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(f"{result.title} — {result.provenance.get('hardware', '')}")
+    fig.tight_layout()
+    return fig
+
+
+def _plot_table(result: BenchResult):
+    fig = _plot_sweep(result)
+    ax_speed = fig.axes[0]
+    measured = [row for row in result.rows if row.get("img/s") is not None]
+    for y, row in enumerate(measured):
+        ax_speed.annotate(f" {row['speedup']:.2f}x", (row["img/s"], y), va="center", fontsize=8)
+    return fig
+
+
+def _plot_memory(result: BenchResult):
+    plt = _pyplot()
+    parts = ["parameters MiB", "gradients MiB", "optimizer MiB", "activations MiB"]
+    labels = [f"{row['image size']} px x{row['batch']}" for row in result.rows]
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.45 * len(labels)), 4))
+    bottom = [0.0] * len(labels)
+    for part in parts:
+        values = [row[part] / 1024 for row in result.rows]
+        ax.bar(labels, values, bottom=bottom, label=part.replace(" MiB", ""))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    limit = result.provenance.get("gpu_memory_gb_compared")
+    if limit:
+        ax.axhline(limit, color="tab:red", linestyle="--", label=f"{limit:g} GB GPU")
+    ax.set(ylabel="GiB", title=f"{result.title}\n{result.provenance.get('hardware', '')}")
+    ax.tick_params(axis="x", rotation=60)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+_PLOTS: dict[str, Callable] = {"table": _plot_table, "memory": _plot_memory}
+
+
+# --------------------------------------------------------------------------- the GPU suite's files
+
+
+def results_path(results_dir: Path | str, prov: dict) -> Path:
+    """`<results_dir>/<hardware>-<date>.json`, the hardware label made file-name safe."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", prov["hardware"]).strip("-").lower()
+    return Path(results_dir) / f"{slug}-{prov['date'][:10]}.json"
+
+
+def load_suite(path: Path | str) -> tuple[dict, dict[str, BenchResult]]:
+    """A `gpu_suite` file: (provenance, {name: BenchResult}) of the parts that ran."""
+    data = json.loads(Path(path).read_text())
+    return data["provenance"], {name: BenchResult.from_dict(result) for name, result in data["results"].items()
+                                if "error" not in result}

@@ -1,0 +1,228 @@
+"""One sweep per technique: each measures its settings in fresh worker processes and says, in its
+notes, how much each knob changed throughput or memory here, and why when it did not.
+
+- `sweep_loader()`: num_workers x pin_memory x persistent_workers.
+- `sweep_amp()`: autocast off / float16 / bfloat16.
+- `sweep_cudnn()`: cudnn.benchmark off/on with fixed vs varying image sizes.
+- `sweep_accum()`: accumulation steps against the same images in one batch (throughput, memory).
+- `sweep_size()`: image size against memory and throughput.
+- `sweep_channels_last()`: NCHW against NHWC.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..config import Config
+from ..hardware import cpu_has_bf16, provenance, usable_cores
+from .harness import bench_config, launch_measure, multiscale_sizes
+from .results import BenchResult, python_call
+
+SWEEP_COLUMNS = ["setting", "img/s", "img/s all steps", "data ms", "compute ms", "peak MiB/device", "steps", "note"]
+#: A knob whose settings differ by less than this (relative img/s) made no measurable difference.
+NO_DIFFERENCE = 0.05
+
+
+def _sweep(name: str, title: str, cfg: Config, settings: list[tuple[str, dict]], command: str,
+           steps: int, warmup: int, max_seconds: float | None, skipped: list[tuple[str, str]] = (),
+           process_per_setting: bool = False) -> BenchResult:
+    """Measure each (label, knobs) setting in turn in one fresh worker process (or, where peak memory
+    is the point, a fresh process per setting, so no setting inherits another's high-water mark);
+    `skipped` rows say why a setting was not run. Each row keeps its `knobs` for `knob_note`."""
+    runs = [{**knobs, "steps": knobs.get("steps", steps), "warmup": warmup, "max_seconds": max_seconds}
+            for _, knobs in settings]
+    if process_per_setting:
+        measurements = [launch_measure(cfg, 1, [run])[0] for run in runs]
+    else:
+        measurements = launch_measure(cfg, 1, runs) if runs else []
+    rows = []
+    for (label, knobs), measurement in zip(settings, measurements):
+        rows.append({"setting": label, **measurement.row(), "note": "", "knobs": knobs})
+        print(f"{name}: {label}: {rows[-1]['img/s']:.2f} img/s, peak {rows[-1]['peak MiB/device']:.0f} MiB", flush=True)
+    rows += [{"setting": label, "note": why} for label, why in skipped]
+    return BenchResult(name, title, rows, SWEEP_COLUMNS, [], provenance(command))
+
+
+def knob_note(rows: list[dict], knob: str, why_flat: str, key: str = "img/s", moves_with: tuple[str, ...] = ()) -> str:
+    """How much `knob` changed `key` between rows that differ in nothing else (but the step count and
+    the knobs that `moves_with` it); says why when it did not."""
+    ignored = {knob, "steps", *moves_with}
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row.get(key) is not None and knob in row.get("knobs", {}):
+            others = tuple(sorted((k, str(v)) for k, v in row["knobs"].items() if k not in ignored))
+            groups.setdefault(others, []).append(row)
+    spreads = [(max(r[key] for r in group) / min(r[key] for r in group) - 1, group)
+               for group in groups.values() if len({str(r["knobs"][knob]) for r in group}) > 1]
+    if not spreads:
+        return f"{knob}: fewer than two settings measured here."
+    spread, group = max(spreads, key=lambda item: item[0])
+    if spread < NO_DIFFERENCE:
+        return f"{knob} made no measurable difference to {key} here (at most {spread:.1%} apart): {why_flat}"
+    best = max(group, key=lambda r: r[key]) if key.startswith("img/s") else min(group, key=lambda r: r[key])
+    return (f"{knob}: up to {spread:.0%} difference in {key} with the other knobs fixed; "
+            f"best of those: {best['setting']}.")
+
+
+def sweep_loader(preset: str | None = None, workers: tuple[int, ...] = (0, 1, 2), steps: int = 16,
+                 warmup: int = 2, data_path: str | None = None, max_seconds: float | None = None,
+                 **overrides) -> BenchResult:
+    """num_workers x pin_memory x persistent_workers (epochs of a few steps, so restarts show)."""
+    cfg = bench_config(preset, data_path, **overrides)
+    cuda = torch.cuda.is_available()
+    settings = []
+    for n in workers:
+        for pin in ((False, True) if cuda else (False,)):
+            for persistent in ((False, True) if n > 0 else (False,)):
+                label = f"workers={n}, pin_memory={pin}" + (f", persistent={persistent}" if n > 0 else "")
+                settings.append((label, {"workers": n, "pin_memory": pin, "persistent_workers": persistent}))
+    result = _sweep("loader", "DataLoader: num_workers x pin_memory x persistent_workers", cfg, settings,
+                    python_call("bench.sweep_loader", preset=preset, workers=workers, steps=steps, warmup=warmup,
+                                data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
+    rows = result.rows
+    data_share = max(r["data ms"] / (r["data ms"] + r["compute ms"]) for r in rows)
+    result.notes = [
+        "data ms: median time a step waits for its batch; epoch-start data ms: the first batch of each "
+        f"epoch (an epoch is {rows[0]['steps/epoch']} steps here), where non-persistent "
+        "workers are started again; 'img/s all steps' includes those waits.",
+        knob_note(rows, "workers", f"loading takes at most {data_share:.0%} of a step in any setting, so the "
+                  "loader is not the bottleneck on this small, cheap-to-decode data."),
+        knob_note(rows, "persistent_workers", "starting workers again costs little next to an epoch's "
+                  "steps here.", key="img/s all steps"),
+    ]
+    if cuda:
+        result.notes.append(knob_note(rows, "pin_memory", "host-to-GPU copies of these small batches are "
+                                      "fast either way."))
+    else:
+        result.notes.append("pin_memory was not measured: there is no GPU. Pinned (page-locked) memory only "
+                            "speeds host-to-GPU copies (with non_blocking=True); without CUDA PyTorch ignores it.")
+    if usable_cores() <= 2:
+        result.notes.append(f"With {usable_cores()} cores, worker processes compete with the training threads "
+                            "for the same cores; on a GPU machine the cores only feed the GPUs and gain more.")
+    return result
+
+
+def sweep_amp(preset: str | None = None, steps: int = 16, warmup: int = 3, data_path: str | None = None,
+              max_seconds: float | None = None, force_bf16: bool = False, **overrides) -> BenchResult:
+    """Autocast off / float16 / bfloat16: img/s and peak memory (float16 needs CUDA)."""
+    cfg = bench_config(preset, data_path, **overrides)
+    cuda = torch.cuda.is_available()
+    settings = [("fp32 (no autocast)", {"amp": False, "amp_dtype": None})]
+    skipped = []
+    if cuda:
+        settings.append(("fp16 autocast + GradScaler", {"amp": True, "amp_dtype": "float16"}))
+    else:
+        skipped.append(("fp16 autocast + GradScaler", "needs CUDA: float16 training with GradScaler is a GPU "
+                        "technique (tensor cores); CPUs use bfloat16"))
+    if cuda or cpu_has_bf16() is not False or force_bf16:
+        settings.append(("bf16 autocast", {"amp": True, "amp_dtype": "bfloat16"}))
+    else:
+        skipped.append(("bf16 autocast", "not measured: this CPU has no bfloat16 instructions (avx512_bf16 or "
+                        "AMX), so bf16 is emulated and many times slower than fp32 (force_bf16=True measures it)"))
+    result = _sweep("amp", "Mixed precision: fp32 / fp16 / bf16", cfg, settings,
+                    python_call("bench.sweep_amp", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
+                                max_seconds=max_seconds, force_bf16=force_bf16 or None, **overrides),
+                    steps, warmup, max_seconds, skipped)
+    result.notes.append(knob_note(result.rows, "amp_dtype", "this model's step is not limited by the "
+                                  "precision of its math on this hardware."))
+    if not cuda:
+        result.notes.append("Memory: a CPU process's peak resident memory includes the framework and the model; "
+                            "the activations autocast shrinks are a smaller share of it than on a GPU.")
+    return result
+
+
+def sweep_cudnn(preset: str | None = None, steps: int = 16, warmup: int = 3, data_path: str | None = None,
+                max_seconds: float | None = None, **overrides) -> BenchResult:
+    """cudnn.benchmark off/on with fixed (square) vs varying (multi-scale) image sizes."""
+    cfg = bench_config(preset, data_path, **overrides)
+    cuda = torch.cuda.is_available()
+    settings = [(f"{shape} sizes" + (f", cudnn.benchmark={flag}" if cuda else ""),
+                 {"shape": shape, "cudnn_benchmark": flag})
+                for shape in ("fixed", "varying") for flag in ((False, True) if cuda else (False,))]
+    result = _sweep("cudnn", "cudnn.benchmark with fixed and varying image sizes", cfg, settings,
+                    python_call("bench.sweep_cudnn", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
+                                max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
+    sizes = ", ".join(map(str, multiscale_sizes(cfg.min_size)))
+    result.notes = [f"fixed: every image resized to {cfg.min_size}x{cfg.min_size} (one input shape); varying: "
+                    f"multi-scale training, the shorter side drawn from {sizes} px per image with natural "
+                    "aspect ratios (new padded shapes on many steps). 'img/s all steps' includes the steps "
+                    "that met a new shape."]
+    if cuda:
+        result.notes.append(knob_note(result.rows, "cudnn_benchmark", "autotuning finds no faster kernels "
+                                      "for these shapes.", key="img/s all steps"))
+    else:
+        result.notes.append("cudnn.benchmark was not measured: a CPU has no cuDNN, so the flag does nothing. "
+                            "CPU convolutions run through oneDNN, which builds and caches a primitive for each "
+                            "input shape: the CPU's counterpart of the per-shape cost of cuDNN autotuning, "
+                            "measured here as fixed against varying sizes (varying sizes also change the work "
+                            "per image, about equal on average).")
+    result.notes.append(knob_note(result.rows, "shape", "per-shape setup is small next to a step at these "
+                                  "sizes.", key="img/s all steps"))
+    return result
+
+
+def sweep_accum(preset: str | None = None, accum_steps: tuple[int, ...] = (1, 2, 4), steps: int = 12,
+                warmup: int = 2, data_path: str | None = None, max_seconds: float | None = None,
+                **overrides) -> BenchResult:
+    """K micro-batches per optimizer step against one batch of the same K x B images."""
+    cfg = bench_config(preset, data_path, batches_per_step=max(accum_steps), **overrides)
+    b = cfg.batch_size
+    settings = []
+    for k in accum_steps:
+        settings.append((f"batch {b} x accum {k} ({b * k} images/step)",
+                         {"accum_steps": k, "batch_size": b, "steps": max(4, steps // k)}))
+        if k > 1:
+            settings.append((f"batch {b * k} x accum 1 ({b * k} images/step)",
+                             {"accum_steps": 1, "batch_size": b * k, "steps": max(4, steps // k)}))
+    result = _sweep("accum", "Gradient accumulation: throughput and memory", cfg, settings,
+                    python_call("bench.sweep_accum", preset=preset, accum_steps=accum_steps, steps=steps, warmup=warmup,
+                                data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds,
+                    process_per_setting=True)
+    by_knobs = {(r["knobs"]["batch_size"], r["knobs"]["accum_steps"]): r for r in result.rows}
+    result.notes = ["Accumulation holds one micro-batch's activations whatever K is; the same images in one "
+                    "batch hold all of theirs at once. Each setting ran in a fresh process."]
+    for k in (k for k in accum_steps if k > 1):
+        acc, one = by_knobs[(b, k)], by_knobs[(b * k, 1)]
+        result.notes.append(
+            f"{b * k} images per step: {k} micro-batches of {b} peaked at {acc['peak MiB/device']} MiB against "
+            f"{one['peak MiB/device']} MiB in one batch ({1 - acc['peak MiB/device'] / one['peak MiB/device']:.0%} "
+            f"less), at {acc['img/s'] / one['img/s']:.2f}x its img/s.")
+    return result
+
+
+def sweep_size(preset: str | None = None, sizes: tuple[int, ...] | None = None, steps: int = 10, warmup: int = 2,
+               data_path: str | None = None, max_seconds: float | None = None, **overrides) -> BenchResult:
+    """Image size (square inputs) against img/s and peak memory."""
+    cfg = bench_config(preset, data_path, **overrides)
+    sizes = sizes or ((512, 640, 800, 1024) if torch.cuda.is_available() else (96, 128, 192, 256))
+    settings = [(f"{s} px", {"min_size": s, "max_size": s, "shape": "fixed"}) for s in sizes]
+    result = _sweep("size", "Image size against memory and throughput", cfg, settings,
+                    python_call("bench.sweep_size", preset=preset, sizes=sizes, steps=steps, warmup=warmup,
+                                data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds,
+                    process_per_setting=True)
+    result.notes = ["Every image resized to size x size: pixels, compute and activation memory grow with the "
+                    "square of the size (memory.memory_table breaks the memory down).",
+                    knob_note(result.rows, "min_size", "", key="peak MiB/device", moves_with=("max_size",)),
+                    knob_note(result.rows, "min_size", "", moves_with=("max_size",))]
+    return result
+
+
+def sweep_channels_last(preset: str | None = None, steps: int = 16, warmup: int = 3,
+                        data_path: str | None = None, max_seconds: float | None = None, **overrides) -> BenchResult:
+    """The backbone in NCHW (default) against NHWC (channels_last)."""
+    cfg = bench_config(preset, data_path, **overrides)
+    settings = [(f"channels_last={flag}", {"channels_last": flag}) for flag in (False, True)]
+    result = _sweep("channels_last", "Memory format: NCHW vs channels_last", cfg, settings,
+                    python_call("bench.sweep_channels_last", preset=preset, steps=steps, warmup=warmup,
+                                data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
+    why = ("the convolutions are not what limits this step." if torch.cuda.is_available() else
+           "on a CPU oneDNN reorders tensors into its own blocked layout either way.")
+    result.notes.append(knob_note(result.rows, "channels_last", why))
+    return result
+
+
+SWEEPS: dict[str, Callable[..., BenchResult]] = {
+    "loader": sweep_loader, "amp": sweep_amp, "cudnn": sweep_cudnn, "accum": sweep_accum,
+    "size": sweep_size, "channels-last": sweep_channels_last,
+}
