@@ -342,6 +342,7 @@ def _worker(rank, nprocs, port, backend, timeout_s, fn, args, messages, parent, 
     sys.stdout = sys.stderr = _QueueWriter(messages, rank)
     try:
         init_distributed(backend, timeout_s)
+        barrier()  # every rank has joined: one that returns at once cannot break a peer's gloo connect
         result = fn(*args)
         try:  # pickled here: the queue pickles in a background thread, where a failure would be lost
             payload = pickle.dumps(result if rank == 0 else None)

@@ -200,7 +200,9 @@ def imbalance_run(batch_sizes: Sequence[Sequence[int]], steps: int = 6, warmup: 
     for per_rank in batch_sizes:
         check = StragglerCheck(every=warmup + steps)
         forward: list[list[float]] = []
-        measured = bench.measure(bench.bench_config(batch_size=per_rank[info.rank]), steps=steps, warmup=warmup,
+        data = bench.bench_dataset(info.world_size * max(per_rank))  # one dataset, enough for the largest batch
+        cfg = bench.bench_config(data_path=str(data), batch_size=per_rank[info.rank])
+        measured = bench.measure(cfg, steps=steps, warmup=warmup,
                                  callbacks=[check, lambda record: forward.append(record.rank_forward_times)])
         results.append({"batch per rank": list(per_rank),
                         "forward s per rank": [statistics.median(times) for times in zip(*forward)],

@@ -98,3 +98,56 @@ def test_a_dataset_smaller_than_one_global_batch_is_one_line_data_error(shapes_r
     assert f"{len(dataset)} usable training images" in message and "\n" not in message
     assert f"--batch-size {batch_size} on 2 process(es)" in message
     assert caught.value.exit_code == 2
+
+
+def test_serialized_records_hold_the_json_targets_in_memory_in_the_cache_and_in_a_spawned_worker(
+        shapes_root, tmp_path, monkeypatch):
+    """The flat pickled storage (and its memory-mapped cache) gives exactly the targets pycocotools
+    decodes from the json, and the same ground truth, sizes and report, however it was built."""
+    import pickle
+
+    import numpy as np
+    from pycocotools.coco import COCO
+
+    from maskrcnn_tut.data import records
+
+    monkeypatch.setattr(records, "CACHE_MIN_IMAGES", 1)  # the shapes are small: cache them anyway
+    image_dir, ann_file = coco_paths(shapes_root, "train")
+    plain = CocoDetection(image_dir, ann_file)
+    built = CocoDetection(image_dir, ann_file, cache_dir=tmp_path)  # cleans and writes the cache
+    mapped = CocoDetection(image_dir, ann_file, cache_dir=tmp_path)  # maps the file
+    assert len(list(tmp_path.glob("*.records"))) == 1 and isinstance(mapped.records.buffer, np.memmap)
+    spawned = pickle.loads(pickle.dumps(mapped))  # as a spawned worker receives it: mapped again
+    assert isinstance(spawned.records.buffer, np.memmap) and len(pickle.dumps(mapped)) < mapped.records.nbytes
+    coco = COCO(str(ann_file))
+    for index in range(len(plain)):
+        image, target = plain.load(index)
+        anns = coco.loadAnns(coco.getAnnIds(imgIds=target["image_id"]))
+        assert torch.equal(target["masks"], torch.from_numpy(np.stack([coco.annToMask(a) for a in anns])))
+        xyxy = [[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in anns)]
+        assert torch.equal(target["boxes"], torch.tensor(xyxy, dtype=torch.float32))
+        assert target["labels"].tolist() == [plain.cat_to_label[a["category_id"]] for a in anns]
+        for other in (built, mapped, spawned):
+            other_image, other_target = other.load(index)
+            assert torch.equal(image, other_image)
+            assert all(torch.equal(target[k], other_target[k]) for k in ("boxes", "masks", "labels"))
+    for other in (built, mapped, spawned):
+        assert other.ground_truth() == plain.ground_truth() and other.aspect_ratios() == plain.aspect_ratios()
+        assert other.report.counts == plain.report.counts and other.num_instances == plain.num_instances
+    assert plain.num_instances == sum(len(t) for t in plain.targets) == len(coco.getAnnIds())
+
+
+def test_the_records_cache_follows_a_changed_json(shapes_root, tmp_path, monkeypatch):
+    from maskrcnn_tut.data import records
+
+    monkeypatch.setattr(records, "CACHE_MIN_IMAGES", 1)
+    image_dir, ann_file = coco_paths(shapes_root, "val")
+    copy = tmp_path / "val.json"
+    copy.write_text(ann_file.read_text())
+    first = CocoDetection(image_dir, copy, cache_dir=tmp_path / "cache")
+    data = json.loads(copy.read_text())
+    data["annotations"] = data["annotations"][1:]
+    copy.write_text(json.dumps(data))
+    second = CocoDetection(image_dir, copy, cache_dir=tmp_path / "cache")
+    assert second.num_instances == first.num_instances - 1
+    assert len(list((tmp_path / "cache").glob("*.records"))) == 1  # the stale cache was removed

@@ -15,7 +15,7 @@ runs the same functions: `python -m maskrcnn_tut.bench NAME [--out FILE] [--plot
   R50-FPN at 800 px, bounded in time; writes `book/results/<hardware>-<date>.json`
   (`python -m maskrcnn_tut.bench --suite gpu --max-minutes 8`). `load_suite(path)` reads it.
 - `measure(cfg, steps, warmup)`: the measurement underneath, in this process (callbacks get every
-  `StepRecord`, e.g. `monitor.LiveDashboard`); `bench_config(...)` the config it measures.
+  `StepRecord`, e.g. `dashboard.LiveDashboard`); `bench_config(...)` the config it measures.
 
 How it measures: the real Mask R-CNN of the preset (`cpu-tiny` on CPUs, `gpu-r50` on GPUs) trains
 on shapes-dataset batches through `engine.train_step`, the step `train.py` runs, with the settings

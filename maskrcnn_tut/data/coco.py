@@ -92,6 +92,14 @@ def _instances(entries, width: int, height: int) -> list[dict]:
              "area": area} for x0, y0, x1, y1, label, counts, area in entries]
 
 
+def _targets(record) -> list[dict]:
+    return _instances(record[4], record[2], record[3])
+
+
+def _crowds(record) -> list[dict]:
+    return _instances(record[5], record[2], record[3])
+
+
 class CocoDetection(torch.utils.data.Dataset):
     """Images and Mask R-CNN targets from a COCO json and its image folder.
 
@@ -127,8 +135,8 @@ class CocoDetection(torch.utils.data.Dataset):
         self.widths, self.heights = widths[keep], heights[keep]
         self.num_instances = int(counts[keep].sum())
         self.images = _View(self.records, _image_info)
-        self.targets = _View(self.records, lambda r: _instances(r[4], r[2], r[3]))
-        self.crowds = _View(self.records, lambda r: _instances(r[5], r[2], r[3]))
+        self.targets = _View(self.records, _targets)
+        self.crowds = _View(self.records, _crowds)
         self._warned: set = set()  # image ids whose decode failure was logged
         self._muted = False  # True once LOGGED_FAILURES images were logged
         if not len(self.records):
