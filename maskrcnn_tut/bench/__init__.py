@@ -10,7 +10,7 @@ runs the same functions: `python -m maskrcnn_tut.bench NAME [--out FILE] [--plot
   x N threads; DP is marked as needing >= 2 GPUs, and on one GPU so is DDP (`result.row("DDP")`
   is then None).
 - `sweep_loader()`, `sweep_amp()`, `sweep_cudnn()`, `sweep_accum()`, `sweep_size()`,
-  `sweep_channels_last()`: one technique each (`SWEEPS` by command name).
+  `sweep_channels_last()`, `sweep_fast_path()`: one technique each (`SWEEPS` by command name).
 - `gpu_suite(max_minutes=8)`: the table on every GPU, AMP, cudnn.benchmark and channels_last with
   R50-FPN at 800 px, bounded in time; writes `book/results/<hardware>-<date>.json`
   (`python -m maskrcnn_tut.bench --suite gpu --max-minutes 8`). `load_suite(path)` reads it.
@@ -38,7 +38,7 @@ from .harness import (BENCH_SHAPES, Measurement, bench_config, bench_dataset, en
                       measure, measure_worker, multiscale_sizes, pin_cores)
 from .results import BenchResult, load_suite, markdown_table, python_call, results_path
 from .sweeps import (NO_DIFFERENCE, SWEEP_COLUMNS, SWEEPS, knob_note, sweep_accum, sweep_amp, sweep_channels_last,
-                     sweep_cudnn, sweep_loader, sweep_size)
+                     sweep_cudnn, sweep_fast_path, sweep_loader, sweep_size)
 from .scaling import CPU_TABLE_BATCH, TABLE_COLUMNS, table
 
 __all__ = [
@@ -46,5 +46,5 @@ __all__ = [
     "Measurement", "bench_config", "bench_dataset", "build_parser", "environment", "gpu_suite", "knob_note",
     "launch_measure", "load_suite", "main", "markdown_table", "measure", "measure_worker", "multiscale_sizes",
     "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
-    "sweep_loader", "sweep_size", "table",
+    "sweep_fast_path", "sweep_loader", "sweep_size", "table",
 ]

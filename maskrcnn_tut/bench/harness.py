@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -92,6 +92,7 @@ class Measurement:
     peak_memory_mb: list[float]
     steps_per_epoch: int = 0
     lr: float = 0.0  # the derived peak lr (scaled to the global batch, as in train.py)
+    warmup_times: list[float] = field(default_factory=list)  # not measured: first steps, compilation
 
     @property
     def img_per_s(self) -> float:
@@ -111,7 +112,8 @@ class Measurement:
                 "compute ms": round(1000 * statistics.median(compute), 1),
                 "epoch-start data ms": round(1000 * statistics.fmean(starts), 1) if starts else None,
                 "peak MiB/device": round(max(self.peak_memory_mb)), "total MiB": round(sum(self.peak_memory_mb)),
-                "steps": len(self.iter_times), "steps/epoch": self.steps_per_epoch}
+                "steps": len(self.iter_times), "steps/epoch": self.steps_per_epoch,
+                "warm-up s": round(sum(self.warmup_times), 1)}
 
 
 def _dataparallel_gpus(dataparallel: bool | int) -> int:
@@ -196,7 +198,7 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
         data_times=[r.data_time for r in records],
         epoch_starts=[i for i in range(1, len(epochs)) if epochs[i] != epochs[i - 1]],
         peak_memory_mb=[peak for r in ranks for peak in r["peak"]],
-        steps_per_epoch=len(loader.batch_sampler) // cfg.accum_steps, lr=cfg.lr)
+        steps_per_epoch=len(loader.batch_sampler) // cfg.accum_steps, lr=cfg.lr, warmup_times=warm_times)
 
 
 def pin_cores(threads: int) -> list[int] | None:

@@ -1,0 +1,250 @@
+"""Figures that hold still: measure each benchmark once, keep it, and keep its spread.
+
+    speed = bench.cached(bench.table, steps=16, warmup=3)
+
+The first call runs the benchmark and writes its `BenchResult` to
+`$MASKRCNN_TUT_CACHE/bench/<name>-<key>.json` (`cache_dir()`); every later call with the same key
+(chapter 8 after chapter 4, a rebuild of the book, the same call from a shell) reads that file back,
+so two chapters can never quote two different measurements of one figure. The key is:
+
+- the hardware, as `hardware.provenance` names it (label, CPU model, GPUs) and the torch version;
+- the code that measures: a hash of the sources of `bench/`, `engine.py`, `model.py`, `config.py`,
+  `distributed.py`, `dataparallel.py` and `data/` (`code_hash()`), so an edit measures again;
+- the function and its arguments with the defaults filled in (`cached(table)` and
+  `cached(table, steps=16)` are one key).
+
+While the benchmark runs, each measured row also gets its spread: the step times themselves
+(`"step s"`), their interquartile range as img/s (`"img/s lo"`, `"img/s hi"`, from the 75th and
+25th percentile step) and, for rows with a speedup, the speedup's range against the first row
+(`"speedup lo"`, `"speedup hi"`: this row's low over the baseline's high, and its high over the
+baseline's low). `interval(row)`, `versus(a, b)` and `spread_text(row)` read them, so prose can say
+"too noisy to tell" when two intervals overlap.
+
+Concurrent callers (two chapters built at once) wait on a lock file and the second reads what the
+first measured. `refresh=True` (or `MASKRCNN_TUT_BENCH_REFRESH=1`) measures again and overwrites.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import inspect
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+from ..data.shapes import default_cache_dir
+from ..hardware import provenance
+from .results import BenchResult
+
+#: Bump when the cached file's layout changes: older files are then measured again.
+CACHE_VERSION = 1
+#: The package's sources whose hash is part of every key (paths relative to `maskrcnn_tut/`).
+CODE_SOURCES = ("bench", "engine.py", "model.py", "config.py", "distributed.py", "dataparallel.py", "data")
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def cache_dir() -> Path:
+    """`$MASKRCNN_TUT_CACHE/bench` (default `~/.cache/maskrcnn_tut/bench`)."""
+    return default_cache_dir() / "bench"
+
+
+def code_hash(sources: tuple[str, ...] = CODE_SOURCES, root: Path = PACKAGE_ROOT) -> str:
+    """A short sha256 of the measuring code: every `.py` file under `sources`, by path and content."""
+    digest = hashlib.sha256()
+    for source in sources:
+        path = root / source
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        for file in files:
+            if file.exists() and "__pycache__" not in file.parts:
+                digest.update(str(file.relative_to(root)).encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def call_arguments(fn: Callable, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by name, defaults filled in (extra `**overrides` by their own names)."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = {}
+    for name, value in bound.arguments.items():
+        parameter = bound.signature.parameters[name]
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(value)
+        elif parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            arguments[name] = list(value)
+        else:
+            arguments[name] = value
+    return {name: arguments[name] for name in sorted(arguments)}
+
+
+def cache_key(fn: Callable, args: tuple = (), kwargs: dict | None = None) -> dict:
+    """What a cached result depends on: hardware, torch, the measuring code, function, arguments."""
+    prov = provenance("")
+    return {"version": CACHE_VERSION, "hardware": prov["hardware"], "cpu": prov["cpu"], "gpus": prov["gpus"],
+            "cpu_bf16": prov["cpu_bf16"], "torch": prov["torch"], "code": code_hash(), "function": f"{fn.__module__}.{fn.__qualname__}",
+            "arguments": {k: repr(v) for k, v in call_arguments(fn, args, kwargs or {}).items()}}
+
+
+def cache_file(key: dict, directory: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    name = key["function"].rsplit(".", 1)[-1]
+    return Path(directory or cache_dir()) / f"{name}-{digest}.json"
+
+
+# --------------------------------------------------------------------------- the spread
+
+
+@contextlib.contextmanager
+def recording_measurements():
+    """Collect every `harness.Measurement` that `launch_measure` returns while the block runs
+    (in every module of the package that calls it), in order; yields the list."""
+    from . import harness
+    original = harness.launch_measure
+    seen: list = []
+
+    def recorded(*args, **kwargs):
+        measurements = original(*args, **kwargs)
+        seen.extend(measurements)
+        return measurements
+
+    users = [module for name, module in list(sys.modules.items())
+             if name.startswith("maskrcnn_tut") and getattr(module, "launch_measure", None) is original]
+    for module in users:
+        module.launch_measure = recorded
+    try:
+        yield seen
+    finally:
+        for module in users:
+            module.launch_measure = original
+
+
+def _quartiles(times: list[float]) -> tuple[float, float]:
+    if len(times) < 2:
+        return times[0], times[0]
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return q1, q3
+
+
+def add_spread(result: BenchResult, measurements: list) -> bool:
+    """Give each measured row of `result` its spread from the matching measurement (see the module
+    docstring); rows and measurements are matched in order and checked by their img/s. Returns
+    False (and changes nothing) when they do not match one to one."""
+    rows = [row for row in result.rows if row.get("img/s") is not None]
+    if len(rows) != len(measurements) or any(
+            abs(row["img/s"] - m.img_per_s) > 1e-6 * max(1.0, row["img/s"]) for row, m in zip(rows, measurements)):
+        return False
+    for row, m in zip(rows, measurements):
+        q1, q3 = _quartiles(list(m.iter_times))
+        row["step s"] = [round(t, 5) for t in m.iter_times]
+        row["img/s lo"], row["img/s hi"] = m.images_per_step / q3, m.images_per_step / q1
+    base = rows[0]
+    for row in rows:
+        if row.get("speedup") is None:
+            continue
+        if row is base:
+            row["speedup lo"] = row["speedup hi"] = 1.0
+        else:
+            row["speedup lo"] = row["img/s lo"] / base["img/s hi"]
+            row["speedup hi"] = row["img/s hi"] / base["img/s lo"]
+    for row in result.rows:
+        if row.get("img/s") is not None:
+            row["img/s IQR"] = f"{row['img/s lo']:.3g}-{row['img/s hi']:.3g}"
+    if "img/s" in result.columns and "img/s IQR" not in result.columns:
+        result.columns.insert(result.columns.index("img/s") + 1, "img/s IQR")
+    result.notes.append("img/s IQR: images per step over the 75th and 25th percentile step times (the middle "
+                        "half of the measured steps); speedups whose ranges overlap are too noisy to tell apart.")
+    return True
+
+
+def interval(row: dict | None, key: str = "img/s") -> tuple[float, float] | None:
+    """(low, high) of a row's `key` ("img/s" or "speedup"), or None when it has no spread."""
+    if not row or row.get(f"{key} lo") is None or row.get(f"{key} hi") is None:
+        return None
+    return float(row[f"{key} lo"]), float(row[f"{key} hi"])
+
+
+def versus(a: dict | None, b: dict | None, key: str = "img/s") -> int | None:
+    """+1 when a's whole range of `key` lies above b's, -1 below, 0 when they overlap (too noisy to
+    tell); None when either has no spread."""
+    ia, ib = interval(a, key), interval(b, key)
+    if ia is None or ib is None:
+        return None
+    return 1 if ia[0] > ib[1] else -1 if ia[1] < ib[0] else 0
+
+
+def above(row: dict | None, value: float, key: str = "speedup") -> int | None:
+    """+1 when the row's whole range of `key` lies above `value`, -1 below, 0 when it contains it."""
+    span = interval(row, key)
+    if span is None:
+        return None
+    return 1 if span[0] > value else -1 if span[1] < value else 0
+
+
+def spread_text(row: dict, key: str = "speedup", fmt: str = ".2f", unit: str = "x") -> str:
+    """'1.85x (middle half of steps: 1.71-1.98x)', or just the value without a spread."""
+    span = interval(row, key)
+    value = format(row[key], fmt) + unit
+    return value if span is None else f"{value} (IQR {span[0]:{fmt}}-{span[1]:{fmt}}{unit})"
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _load(path: Path, key: dict) -> BenchResult | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("key") != key:
+        return None
+    return BenchResult.from_dict(data["result"])
+
+
+def cached(fn: Callable[..., BenchResult], *args, refresh: bool = False, directory: Path | str | None = None,
+           **kwargs) -> BenchResult:
+    """`fn(*args, **kwargs)` measured once per hardware, code and arguments, then read from the cache
+    (module docstring). The result's `provenance["cache"]` says whether it was measured now or read,
+    from which file, and when it was measured."""
+    key = cache_key(fn, args, kwargs)
+    path = cache_file(key, Path(directory) if directory else None)
+    refresh = refresh or os.environ.get("MASKRCNN_TUT_BENCH_REFRESH", "") not in ("", "0")
+    with _locked(path):
+        result = None if refresh else _load(path, key)
+        if result is not None:
+            result.provenance["cache"] = {**result.provenance.get("cache", {}), "hit": True, "file": str(path)}
+            return result
+        with recording_measurements() as measurements:
+            result = fn(*args, **kwargs)
+        spread = add_spread(result, measurements)
+        measured = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        result.provenance["cache"] = {"hit": False, "file": str(path), "measured": measured, "spread": spread,
+                                      "code": key["code"]}
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "result": result.to_dict()}, indent=1) + "\n")
+        os.replace(tmp, path)
+        return result
+
+
+def describe_cache(result: BenchResult) -> str:
+    """One line saying where a cached figure came from: measured now, or read from which file."""
+    info = result.provenance.get("cache")
+    if not info:
+        return "measured now (not cached)"
+    when = info.get("measured", "")[:16].replace("T", " ")
+    how = "read from the cache" if info.get("hit") else "measured now and cached"
+    return f"{how} ({when} UTC; `{info['file']}`; delete the file or pass refresh=True to measure again)"

@@ -1,0 +1,221 @@
+"""Scaling on paper, checked against measurements: the article's speed table taken apart, the
+curve this machine measures (1, 2, 4, ... devices) and the curve a ring all-reduce predicts.
+
+- `article_arithmetic(rows, coco_images)`: what the article's own figures imply (efficiency per
+  row, memory per GPU, its card's headroom, days for COCO).
+- `ring_allreduce_bytes(bytes, n)`: a ring all-reduce sends (and receives) 2(N-1)/N x the gradient
+  bytes per process: N-1 steps of reduce-scatter and N-1 of all-gather, each moving 1/N of them.
+- `predict(step_s, gradient_bytes, ...)`: per link scenario (`LINKS`) and device count, the
+  all-reduce time and the speedup with the all-reduce hidden behind backward (its best case) and
+  not hidden at all (its worst): two bounds, weak scaling (the same batch per device).
+- `scaling_curve(...)`: the measured curve: `bench.table`'s 1 and N devices (through the cache)
+  and DDP at every power of two between them.
+- `plot_scaling(...)`: measured points with their spread, the predicted bounds, the article's and
+  NVIDIA's published points.
+
+The bandwidths are the usual per-direction figures for each link (assumptions, not measurements):
+PCIe 4.0 x16 about 25 GB/s in practice (32 on paper), NVLink (A100) about 300 GB/s per direction,
+InfiniBand HDR / NDR about 25 / 50 GB/s per node. Beyond `GPUS_PER_NODE` GPUs the ring crosses
+nodes, and its slowest hop sets the pace. Latency (microseconds per hop) is left out: it adds
+2(N-1) hops per bucket and matters only at large N with small buckets.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Sequence
+
+import torch
+
+from ..errors import BenchError
+from ..hardware import provenance, usable_cores
+from .cache import add_spread, cached, interval
+from .harness import bench_config, launch_measure
+from .results import BenchResult, python_call
+from .scaling import CPU_TABLE_BATCH, table
+
+#: GPUs per node before a ring all-reduce has to cross the network between nodes.
+GPUS_PER_NODE = 8
+#: The share of a step that is backward, which an all-reduce can hide behind (backward costs about
+#: twice the forward pass; the optimizer step and data wait are left out).
+BACKWARD_SHARE = 2 / 3
+#: (GB/s within a node, GB/s between nodes), per direction.
+LINKS = {
+    "PCIe ~25 GB/s; InfiniBand ~25 GB/s between nodes": (25.0, 25.0),
+    "NVLink ~300 GB/s; InfiniBand ~25 GB/s between nodes": (300.0, 25.0),
+    "NVLink ~300 GB/s; InfiniBand ~50 GB/s between nodes": (300.0, 50.0),
+}
+PAPER_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+#: The article's recommended card (「推奨：RTX 2080 Ti またはそれ以上」) has 11 GB.
+ARTICLE_CARD_GB = 11.0
+#: The article's own rule (「最大 90% を超えない範囲」).
+ARTICLE_MEMORY_RULE = 0.9
+#: Common Mask R-CNN schedules in epochs of COCO train2017: the 1x schedule (mmdetection: "1x
+#: indicates 12 epochs") and torchvision's detection reference (26 epochs).
+SCHEDULES = {"the 1x schedule": 12, "torchvision's reference recipe": 26}
+#: Images per GPU assumed where the article gives none: torchvision's reference (2 per GPU).
+ASSUMED_ARTICLE_BATCH = 2
+#: NVIDIA's published weak scaling of its PyTorch Mask R-CNN (R50-FPN), quoted as published.
+PUBLISHED_SCALING = {
+    "source": "NVIDIA DeepLearningExamples, PyTorch/Segmentation/MaskRCNN/README.md, training performance on "
+              "NVIDIA DGX-1 (8x V100 16 GB, NVLink), PyTorch 19.02 NGC container, FP32, 2 images per GPU",
+    "gpus": [1, 4, 8], "img/s": [8.47, 30.23, 56.35], "printed scaling": [1, 3.67, 6.96],
+}
+
+
+# --------------------------------------------------------------------------- the article's table
+
+
+def article_arithmetic(rows: Sequence[dict], coco_images: int, card_gb: float = ARTICLE_CARD_GB,
+                       schedules: dict[str, int] = SCHEDULES) -> dict:
+    """The article's speed table (rows with setup, devices, img/s, memory GB, speedup) taken apart.
+
+    Returns per row: img/s per device, scaling efficiency (img/s over devices x the single row's),
+    memory per device; and the single row's share of `card_gb`, days per epoch and per schedule at
+    its img/s, and whether the multi-device rows compare methods at different device counts.
+    """
+    single, *others = rows
+    table_rows = []
+    for row in rows:
+        table_rows.append({"setup": row["setup"], "devices": row["devices"], "img/s": row["img/s"],
+                           "efficiency": row["img/s"] / (row["devices"] * single["img/s"]),
+                           "memory GB": row["memory GB"], "GB per device": row["memory GB"] / row["devices"],
+                           "speedup printed": row["speedup"], "speedup from img/s": row["img/s"] / single["img/s"]})
+    epoch_days = coco_images / single["img/s"] / 86400
+    counts = sorted({row["devices"] for row in others})
+    return {"rows": table_rows, "card share": single["memory GB"] / card_gb, "card GB": card_gb,
+            "epoch days": epoch_days, "schedule days": {name: epochs * epoch_days for name, epochs in schedules.items()},
+            "schedules": dict(schedules), "confounded": len(counts) > 1 and len({r["setup"].split("(")[-1] for r in others}) > 1,
+            "device counts": counts, "efficiencies": [r["efficiency"] for r in table_rows[1:]],
+            "GB per device": [r["GB per device"] for r in table_rows]}
+
+
+# --------------------------------------------------------------------------- on paper
+
+
+def ring_allreduce_bytes(gradient_bytes: float, n: int) -> float:
+    """Bytes each of `n` processes sends (and receives) in a ring all-reduce: 2(n-1)/n x the data."""
+    return 2 * (n - 1) / n * gradient_bytes
+
+
+def link_gbps(n: int, within: float, between: float, gpus_per_node: int = GPUS_PER_NODE) -> float:
+    """The ring's slowest hop: within one node up to `gpus_per_node` GPUs, the network beyond."""
+    return within if n <= gpus_per_node else min(within, between)
+
+
+def predict(step_s: float, gradient_bytes: float, counts: Sequence[int] = PAPER_COUNTS,
+            links: dict[str, tuple[float, float]] = LINKS, backward_share: float = BACKWARD_SHARE) -> list[dict]:
+    """Weak scaling on paper: each device keeps the measured single-device `step_s` of compute and
+    adds a ring all-reduce of `gradient_bytes` over the link. Per (link, N): the all-reduce ms, the
+    speedup when it is hidden behind backward as far as backward lasts (best case) and when it is
+    not hidden at all (worst case), and the matching scaling efficiencies."""
+    rows = []
+    for name, (within, between) in links.items():
+        for n in counts:
+            seconds = ring_allreduce_bytes(gradient_bytes, n) / (link_gbps(n, within, between) * 1e9)
+            hidden = step_s + max(0.0, seconds - backward_share * step_s)
+            exposed = step_s + seconds
+            rows.append({"link": name, "devices": n, "all-reduce ms": 1000 * seconds,
+                         "speedup overlapped": n * step_s / hidden, "speedup not overlapped": n * step_s / exposed,
+                         "efficiency overlapped": step_s / hidden, "efficiency not overlapped": step_s / exposed})
+    return rows
+
+
+def gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of fp32 gradients DDP all-reduces each step: 4 per trainable parameter."""
+    return 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def bus_bandwidth_gbps(gradient_bytes_: float, n: int, seconds: float) -> float:
+    """The link bandwidth a measured all-reduce achieved (nccl-tests' "bus bandwidth"):
+    ring bytes per process over the time."""
+    return ring_allreduce_bytes(gradient_bytes_, n) / seconds / 1e9
+
+
+# --------------------------------------------------------------------------- measured
+
+
+def ddp_point(nprocs: int, preset: str | None = None, steps: int = 16, warmup: int = 3, **overrides) -> BenchResult:
+    """DDP over `nprocs` devices (GPUs, or on a CPU processes with cores // nprocs threads each),
+    measured as `bench.table` measures its DDP row; one row."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and nprocs > gpus:
+        raise BenchError(f"nprocs={nprocs}: this machine has {gpus} GPU(s)")
+    if not gpus and overrides.get("batch_size") is None:
+        overrides["batch_size"] = CPU_TABLE_BATCH
+    cfg = bench_config(preset, None, batches_per_step=nprocs, **overrides)
+    threads = None if gpus else max(1, usable_cores() // nprocs)
+    measurement = launch_measure(cfg, nprocs, [{"steps": steps, "warmup": warmup}], threads)[0]
+    row = {"setup": f"DDP({nprocs})", "processes": nprocs, "devices": nprocs, **measurement.row()}
+    command = python_call("bench.ddp_point", nprocs=nprocs, preset=preset, steps=steps, warmup=warmup, **overrides)
+    return BenchResult("ddp_point", f"DDP over {nprocs}", [row], list(row), [], provenance(command))
+
+
+def _devices_used(row: dict) -> int:
+    return max(1, round(row["speedup"] / row["scaling efficiency"]))
+
+
+def scaling_curve(preset: str | None = None, steps: int = 16, warmup: int = 3, **overrides) -> BenchResult:
+    """Speedup against devices: 1 and N from `bench.table` (through the cache, so the chapters that
+    show the table show the same points), DDP at each power of two between them measured too
+    (and cached). Rows: devices, setup, img/s, speedup with their spread where recorded."""
+    speed = cached(table, preset=preset, steps=steps, warmup=warmup, **overrides)
+    base = speed.rows[0]
+    ddp = speed.row("DDP")
+    top = _devices_used(ddp) if ddp else 1
+    rows = [{"devices": 1, "setup": base["setup"], "img/s": base["img/s"], "speedup": 1.0,
+             **{k: base.get(k) for k in ("img/s lo", "img/s hi", "speedup lo", "speedup hi")}}]
+    for n in [2 ** k for k in range(1, int(math.log2(top)) + 1) if 2 ** k < top]:
+        point = cached(ddp_point, n, preset=preset, steps=steps, warmup=warmup, **overrides).rows[0]
+        row = {"devices": n, "setup": point["setup"], "img/s": point["img/s"], "speedup": point["img/s"] / base["img/s"]}
+        if interval(point) and interval(base):
+            row.update({"img/s lo": point["img/s lo"], "img/s hi": point["img/s hi"],
+                        "speedup lo": point["img/s lo"] / base["img/s hi"],
+                        "speedup hi": point["img/s hi"] / base["img/s lo"]})
+        rows.append(row)
+    if ddp:
+        rows.append({"devices": top, "setup": ddp["setup"], "img/s": ddp["img/s"], "speedup": ddp["speedup"],
+                     **{k: ddp.get(k) for k in ("img/s lo", "img/s hi", "speedup lo", "speedup hi")}})
+    for row in rows:
+        row["scaling efficiency"] = row["speedup"] / row["devices"]
+    step_s = statistics.median(base["step s"]) if base.get("step s") else None
+    notes = [f"1 and {top} devices: the speed table's rows; between them DDP measured the same way."]
+    return BenchResult("scaling", "Measured scaling", rows, ["devices", "setup", "img/s", "speedup",
+                       "scaling efficiency"], notes, {**speed.provenance, "baseline step s": step_s,
+                                                      "images per step": base["img/s"] * (step_s or 0)})
+
+
+def plot_scaling(curve: BenchResult, paper: list[dict], title: str, article_rows: Sequence[dict] = (),
+                 published: dict | None = PUBLISHED_SCALING, hardware: str = ""):
+    """Speedup against devices (log-log): the measured curve with its spread, each link's predicted
+    band (between the overlapped and not-overlapped bounds), the article's and NVIDIA's points."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    colors = plt.get_cmap("tab10")
+    for index, link in enumerate(dict.fromkeys(row["link"] for row in paper)):
+        rows = [row for row in paper if row["link"] == link]
+        ns = [row["devices"] for row in rows]
+        ax.fill_between(ns, [row["speedup not overlapped"] for row in rows], [row["speedup overlapped"] for row in rows],
+                        color=colors(index + 2), alpha=0.25, label=f"on paper: {link}")
+        ax.plot(ns, [row["speedup not overlapped"] for row in rows], color=colors(index + 2), linewidth=0.8)
+    top = max(row["devices"] for row in paper)
+    ax.plot([1, top], [1, top], ":", color="black", label="ideal (speedup = devices)")
+    ns = [row["devices"] for row in curve.rows]
+    ys = [row["speedup"] for row in curve.rows]
+    low = [row["speedup"] - (row.get("speedup lo") or row["speedup"]) for row in curve.rows]
+    high = [(row.get("speedup hi") or row["speedup"]) - row["speedup"] for row in curve.rows]
+    ax.errorbar(ns, ys, yerr=[low, high], fmt="o-", color="tab:green", capsize=4, markersize=7,
+                label=f"measured here ({hardware or curve.provenance.get('hardware', '')}; bars: IQR)")
+    if article_rows:
+        ax.plot([r["devices"] for r in article_rows], [r["speedup"] for r in article_rows], "s", color="tab:gray",
+                markersize=7, label="the article (its GPUs, quoted)")
+    if published:
+        ax.plot(published["gpus"], [v / published["img/s"][0] for v in published["img/s"]], "^", color="tab:red",
+                markersize=7, label="NVIDIA DGX-1, 8x V100, FP32, batch 2 (published)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set(title=title, xlabel="devices (GPUs; on a CPU, processes of one core)", ylabel="speedup over one device (x)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return fig
