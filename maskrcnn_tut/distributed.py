@@ -15,7 +15,6 @@ import os
 import pickle
 import queue
 import random
-import re
 import shutil
 import signal
 import socket
@@ -33,6 +32,7 @@ from torch import nn
 
 from .errors import PeerFailure, RendezvousError, WorkerError
 from .hardware import usable_cores
+from .rendezvous import NETWORK_SIGNS, PORT_TAKEN_SIGNS, rendezvous_error, round_store
 
 
 @dataclass
@@ -54,7 +54,7 @@ class DistInfo:
 
 
 _INFO = DistInfo()
-_STACKS = None  # a launch worker's stack-dump file (see _follow_parent)
+_STACKS = None  # a launch worker's stack-dump file (see _worker)
 
 
 def info() -> DistInfo:
@@ -67,79 +67,6 @@ def env_world() -> tuple[int, int, int, int]:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return (int(os.environ.get("RANK", 0)), world, int(os.environ.get("LOCAL_RANK", 0)), local_world)
-
-
-def _call_within(call, seconds: float):
-    """`call()` in a daemon thread, waited for at most `seconds` (else TimeoutError; the thread is
-    left behind): TCPStore's client handshake waits forever on a port that never answers."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["result"] = call()
-        except BaseException as err:  # handed to the caller's thread
-            box["error"] = err
-    thread = threading.Thread(target=run, name="maskrcnn_tut-rendezvous", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive() or "error" in box:
-        raise box.get("error") or TimeoutError(f"no answer within {seconds:g} s")
-    return box["result"]
-
-
-def _reach(addr: str, port: int, ends: float) -> None:
-    """Wait (until `ends`, else ConnectionError) for something to accept TCP connections at the
-    store's address: TCPStore's own connect retries run past its timeout."""
-    while True:
-        try:
-            with socket.create_connection((addr, port), timeout=max(0.1, min(1.0, ends - time.monotonic()))):
-                return
-        except OSError as err:
-            if time.monotonic() >= ends:
-                raise ConnectionError(f"nothing accepted a connection ({err})") from err
-            time.sleep(0.2)
-
-
-def _round_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
-    """The rendezvous store, prefixed by torchrun's restart count (see findings on gloo restarts);
-    joining it is bounded by `timeout` (plus 2 s), which TCPStore alone does not do."""
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    is_master, ends = rank == 0 and not agent_store, time.monotonic() + timeout.total_seconds()
-    if not is_master:
-        _reach(addr, port, ends)
-    store = _call_within(lambda: dist.TCPStore(addr, port, world_size=None if agent_store else world_size,
-                                               is_master=is_master, timeout=timeout, wait_for_workers=False),
-                         max(0.0, ends - time.monotonic()) + 2)
-    return dist.PrefixStore(f"maskrcnn_tut/round{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-
-
-#: A taken port, and network faults that are no peer's death even mid-run (DistNetworkError texts).
-_PORT_TAKEN_SIGNS = ("EADDRINUSE", "ddress already in use")
-_NETWORK_SIGNS = ("failed to listen", "gai error", "Name or service not known")
-_UNREACHABLE_SIGNS = ("trying to connect", "Network is unreachable", "No route to host")  # while joining
-
-
-def _rendezvous_error(err: BaseException, rank: int, world_size: int, timeout_s: float | None) -> RendezvousError:
-    """One line for a failure to join the group: a taken port, no answer, a rank that never came."""
-    text, addr = str(err).strip(), os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = (re.findall(r"port: (\d+)", text) or [os.environ.get("MASTER_PORT", "?")])[0]
-    where, first = f"{addr}:{port} (MASTER_ADDR:MASTER_PORT)", (text.splitlines() or [type(err).__name__])[0][:300]
-    within = f" within --dist-timeout {timeout_s:g} s" if timeout_s else ""
-    pick = "pick a free one with --master-port N (torchrun) or MASTER_PORT=N"
-    if any(sign in text for sign in _PORT_TAKEN_SIGNS):
-        why = f"port {port} is already in use on this machine (another run or program), so rank 0 cannot serve there"
-    elif isinstance(err, TimeoutError):
-        why = f"{where} accepts connections but did not answer as rank 0's store{within} (another program listening there?)"
-    elif isinstance(err, ConnectionError) or any(sign in text for sign in _NETWORK_SIGNS + _UNREACHABLE_SIGNS):
-        return RendezvousError(f"rank {rank}: could not reach rank 0's store at {where}{within}: is rank 0 running, "
-                               f"and are address and port right? ({first})")
-    elif "wait timeout" in text or "Timed out" in text:
-        return RendezvousError(f"rank {rank}: not all {world_size} ranks joined at {where}{within} (did one fail "
-                               "to start, or is WORLD_SIZE wrong?)")
-    else:
-        return RendezvousError(f"rank {rank}: joining the process group at {where} failed: {first}")
-    return RendezvousError(f"rank {rank}: {why}; {pick}")
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
@@ -158,10 +85,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
     if world_size > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            dist.init_process_group(backend, store=_round_store(rank, world_size, timeout),
+            dist.init_process_group(backend, store=round_store(rank, world_size, timeout),
                                     rank=rank, world_size=world_size, timeout=timeout)
         except (dist.DistError, OSError) as err:  # TimeoutError is an OSError
-            raise _rendezvous_error(err, rank, world_size, timeout_s) from err
+            raise rendezvous_error(err, rank, world_size, timeout_s) from err
     _INFO = DistInfo(rank, world_size, local_rank, local_world, backend if world_size > 1 else None, device)
     return _INFO
 
@@ -171,33 +98,30 @@ _PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", 
 
 
 def peer_failure(err: BaseException) -> PeerFailure | None:
-    """`err` as a `PeerFailure` when it means another rank died or hung; else None (a taken port or
-    an unresolvable address is no dead peer: see `network_failure`)."""
+    """`err` as a `PeerFailure` when it means another rank died or hung; else None: a taken port, a
+    socket that cannot listen or a name that does not resolve is no dead peer (`init_distributed`
+    raises those as a `RendezvousError`)."""
     text = str(err)
-    if isinstance(err, RendezvousError) or network_failure(err) is not None or (
+    if isinstance(err, RendezvousError) or any(sign in text for sign in PORT_TAKEN_SIGNS + NETWORK_SIGNS) or (
             not isinstance(err, dist.DistError) and not any(sign in text for sign in _PEER_FAILURE_SIGNS)):
         return None
     return PeerFailure(f"rank {info().rank}: another rank died or stopped answering within --dist-timeout, "
                        "so this one stops too (" + text.strip().splitlines()[0][:300] + ")")
 
 
-def network_failure(err: BaseException) -> RendezvousError | None:
-    """`err` as a one-line `RendezvousError` when it is a taken port, a socket that cannot listen or
-    a host name that does not resolve (no other rank's death); else None."""
-    if not any(sign in str(err) for sign in _PORT_TAKEN_SIGNS + _NETWORK_SIGNS):
-        return None
-    return _rendezvous_error(err, info().rank, info().world_size, None)
-
-
 def interrupted(rank: int | None = None) -> int:
-    """For a CLI's `except KeyboardInterrupt` (Ctrl-C reaches every rank at once): one line on rank 0's
-    stderr, the same in torchrun's error file, a second Ctrl-C ends the process at once; returns 130."""
-    with contextlib.suppress(ValueError):  # only the main thread may set handlers
-        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    """For a CLI's `except KeyboardInterrupt` (Ctrl-C reaches every rank, and torchrun sends another):
+    one line on rank 0's stderr, the same in torchrun's error file; a later Ctrl-C ends the process at
+    once, without a traceback. Returns the exit code, 130 (128 + SIGINT)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # no second KeyboardInterrupt while saying so
     line = "interrupted (Ctrl-C); the checkpoints already written are kept (--resume auto continues from the last)"
     if (env_world()[0] if rank is None else rank) == 0:
         print(f"error: {line}", file=sys.stderr, flush=True)
     record_error_for_torchrun(KeyboardInterrupt(line))
+    if main_thread:
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     return 130
 
 
@@ -400,8 +324,8 @@ def launch(fn, nprocs: int, *args, backend: str | None = None, timeout_s: float 
     traceback in `.details`, shown by IPython) after every worker has been stopped. `fn` must be
     importable (defined in a module). `timeout_s` bounds the whole call (and each collective):
     past it every worker is stopped and the `WorkerError` names the rank that hung (stacks in
-    `.details`). Each worker's whole process group is ended (its DataLoader workers too), and
-    workers end themselves when the launching process dies (a killed kernel leaves nothing).
+    `.details`). Workers are not daemons, so they may start DataLoader workers; each worker's whole
+    process group is ended, and workers end themselves when the launching process dies.
     """
     import multiprocessing as mp
     import tempfile

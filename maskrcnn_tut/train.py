@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         report(err, rank)
         return err.exit_code
+    except KeyboardInterrupt:
+        return du.interrupted(rank)
     except RuntimeError as err:
         failure = du.peer_failure(err)
         if failure is None:
