@@ -11,6 +11,7 @@ import sys
 
 from ..errors import UserError
 from .gpu import gpu_suite
+from .overhead import overhead
 from .sweeps import SWEEPS
 from .scaling import table
 
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     table_cmd.add_argument("--nprocs", type=int, help="N (default: GPUs present, else CPU cores)")
     for name, sweep in SWEEPS.items():
         commands.add_parser(name, parents=[common], help=sweep.__doc__.splitlines()[0])
+    overhead_cmd = commands.add_parser("overhead", parents=[common], help=overhead.__doc__.splitlines()[0])
+    overhead_cmd.add_argument("--image-size", type=int, help="square synthetic images of this side (default: min size)")
+    overhead_cmd.add_argument("--rounds", type=int, help="alternating rounds of the three loops")
     return parser
 
 
@@ -50,7 +54,12 @@ def run(args: argparse.Namespace, command: str) -> int:
         build_parser().print_help()
         return 2
     options = {k: getattr(args, k) for k in OPTIONS if getattr(args, k, None) is not None}
-    result = (table if args.command == "table" else SWEEPS[args.command])(**options)
+    if args.command == "overhead":
+        options.pop("data_path", None)
+        options.update({k: getattr(args, k) for k in ("image_size", "rounds") if getattr(args, k) is not None})
+        result = overhead(**options)
+    else:
+        result = (table if args.command == "table" else SWEEPS[args.command])(**options)
     result.provenance["command"] = command
     print(result.to_markdown())
     if args.out:

@@ -1,0 +1,114 @@
+"""What the training loop adds over the bare model step (`python -m maskrcnn_tut.bench overhead`).
+
+In one process, on the same fixed batches already in memory (so data loading is not part of it),
+three loops take turns, round after round, so drift of the machine hits them alike:
+
+- `bare`: `model(images, targets)`, sum the loss dict, backward, optimizer step, zero_grad:
+  the least any training loop must do;
+- `engine.train_step`: the package's step (autocast, accumulation, the shared all-reduce of loss
+  terms and flags, the non-finite guard, the forward timing);
+- `train.py's loop`: the step plus the schedule, the metrics logger, the straggler check and the
+  SIGTERM check, as train.py runs them.
+
+Overhead is each loop's median step time minus the bare one's, with the rounds' spread. A loop
+that slows down from round to round shows as a rising per-round median.
+"""
+from __future__ import annotations
+
+import itertools
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .. import distributed as du
+from ..config import derive, make_config
+from ..data.loader import to_device
+from ..engine import TrainState, build_optimizer, build_scheduler, configure_runtime, make_scaler, train_step
+from ..hardware import provenance
+from ..memory import synthetic_batch
+from ..model import build_model
+from ..monitor import MetricsLogger, StragglerCheck
+from .results import BenchResult, python_call
+
+LOOPS = ("bare", "engine.train_step", "train.py's loop")
+
+
+def _bare_step(model, optimizer, images, targets) -> None:
+    losses = model(images, targets)
+    sum(losses.values()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def overhead(preset: str | None = None, image_size: int | None = None, batch_size: int | None = None,
+             rounds: int = 4, steps: int = 4, warmup: int = 2, **overrides) -> BenchResult:
+    """Median step time of each loop in `LOOPS` over `rounds` alternating rounds of `steps` steps."""
+    cfg = make_config(preset, **{k: v for k, v in overrides.items() if v is not None},
+                      **({"batch_size": batch_size} if batch_size else {}))
+    size = image_size or cfg.min_size
+    info = du.init_distributed()
+    device = info.device
+    cfg = derive(cfg, 1, device)
+    configure_runtime(cfg, device)
+    batch = synthetic_batch(size, cfg.batch_size)
+    images, targets = to_device(*batch, device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, num_classes=4).to(device).train()
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg, 10**6)
+    scaler = make_scaler(cfg, device)
+    state, names = TrainState(), []
+    batches = itertools.repeat(batch)
+    with tempfile.TemporaryDirectory() as out:
+        logger = MetricsLogger(Path(out), 10**6, 0, cfg.global_batch_size, device, cfg.print_freq, progress=False)
+        stragglers, stop = StragglerCheck(every=cfg.print_freq), threading.Event()
+
+        def loop_step(name: str) -> None:
+            if name == "bare":
+                _bare_step(model, optimizer, images, targets)
+                return
+            record = train_step(model, optimizer, scaler, batches, cfg, device, state, names,
+                                stop_requested=stop.is_set())
+            if name == "train.py's loop":
+                scheduler.step()
+                logger(record)
+                stragglers(record)
+
+        for name in LOOPS:
+            for _ in range(warmup):
+                loop_step(name)
+        per_round: dict[str, list[float]] = {name: [] for name in LOOPS}
+        for _ in range(rounds):
+            for name in LOOPS:
+                times = []
+                for _ in range(steps):
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    started = time.perf_counter()
+                    loop_step(name)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    times.append(time.perf_counter() - started)
+                per_round[name].append(statistics.median(times))
+        logger.close()
+    bare = statistics.median(per_round["bare"])
+    rows = []
+    for name in LOOPS:
+        medians = per_round[name]
+        step = statistics.median(medians)
+        rows.append({"loop": name, "s/step": step, "min round": min(medians), "max round": max(medians),
+                     "overhead s": step - bare, "overhead %": 100 * (step - bare) / bare,
+                     "rounds": ", ".join(f"{m:.3f}" for m in medians)})
+    notes = [f"{cfg.preset} ({cfg.backbone}-FPN), {cfg.batch_size} synthetic {size} px images per step, already in "
+             f"memory, on {device}; {rounds} alternating rounds of {steps} steps after {warmup} warm-up steps each; "
+             "s/step is the median of the rounds' medians.",
+             "A loop whose per-round medians rise round after round slows down over time."]
+    command = python_call("bench.overhead", preset=preset, image_size=image_size, batch_size=batch_size,
+                          rounds=rounds, steps=steps, warmup=warmup, **overrides)
+    return BenchResult("overhead", "The training loop's overhead over the bare model step", rows,
+                       ["loop", "s/step", "min round", "max round", "overhead s", "overhead %", "rounds"], notes,
+                       provenance(command))
