@@ -228,12 +228,13 @@ FAST_PATH_COLUMNS = ["setting", "img/s", "img/s all steps", "warm-up s", "comput
 
 
 def sweep_fast_path(preset: str | None = None, steps: int = 12, warmup: int = 3, data_path: str | None = None,
-                    max_seconds: float | None = None, **overrides) -> BenchResult:
+                    max_seconds: float | None = None, compiled: bool = True, **overrides) -> BenchResult:
     """Beyond the article: each lever of the fast path alone, then all together, against eager.
 
     Each setting runs in a fresh process, so every compilation is counted in its own row's
     'warm-up s' (the warm-up steps, where torch.compile compiles each new shape), apart from the
-    measured steps' img/s.
+    measured steps' img/s. `compiled=False` leaves out the compiled rows (compiling costs tens of
+    seconds per shape on a CPU).
     """
     cfg = bench_config(preset, data_path, **overrides)
     cuda = torch.cuda.is_available()
@@ -243,12 +244,14 @@ def sweep_fast_path(preset: str | None = None, steps: int = 12, warmup: int = 3,
                 ("fixed shapes + compiled backbone", {**fixed, "compile_backbone": True}),
                 ("all: fixed shapes + compiled backbone + channels_last",
                  {**fixed, "compile_backbone": True, "channels_last": True})]
+    if not compiled:
+        settings = [(label, knobs) for label, knobs in settings if not knobs.get("compile_backbone")]
     skipped = [] if cuda else [("GPU-side JPEG decode", "needs CUDA (torchvision.io.decode_jpeg on the device) "
                                 "and JPEG data; the shapes data is PNG")]
     result = _sweep("fast_path", "Beyond the article: the fast path lever by lever", cfg, settings,
                     python_call("bench.sweep_fast_path", preset=preset, steps=steps, warmup=warmup,
-                                data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup,
-                    max_seconds, skipped, process_per_setting=True)
+                                data_path=data_path, max_seconds=max_seconds, compiled=None if compiled else False,
+                                **overrides), steps, warmup, max_seconds, skipped, process_per_setting=True)
     result.columns = FAST_PATH_COLUMNS
     eager = result.rows[0]["img/s"]
     for row in result.rows:

@@ -1,0 +1,80 @@
+"""What a training step spends its host time on, from `torch.profiler`: the part the fast path
+cannot compile away (`what_remains`).
+
+One eager `engine.train_step` on the bench's shapes batches runs under the profiler after a few
+warm-up steps; its operators are grouped by the part of Mask R-CNN they belong to (torchvision's
+modules are marked with `record_function` here: backbone + FPN, RPN, RoI heads, post-processing)
+and the host synchronizations are counted: every `.item()`, `.tolist()` or data-dependent shape
+(`nonzero`, NMS) makes the CPU wait for the device, which is what keeps a CUDA graph from
+covering the RPN's proposal selection and the RoI heads.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from .. import distributed as du
+from ..config import derive
+from ..data.loader import batch_stream, build_datasets, build_train_loader
+from ..engine import TrainState, build_optimizer, configure_runtime, make_scaler, train_step
+from ..model import build_model
+from .harness import bench_config
+
+#: Operators that make the host wait for the device (a sync point inside a step).
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "torchvision::nms")  # .item() ends in the first
+PARTS = {"backbone + FPN": "backbone", "RPN (anchors, proposals, NMS)": "rpn", "RoI heads (box + mask)": "roi_heads"}
+
+
+def _mark_parts(model) -> list:
+    """Wrap each part's forward in a `record_function` range named after it; returns the handles."""
+    handles = []
+    for label, attribute in PARTS.items():
+        module = getattr(model, attribute)
+        ranges: list = []
+
+        def enter(_module, _args, label=label, ranges=ranges):
+            ranges.append(record_function(label))
+            ranges[-1].__enter__()
+
+        def leave(_module, _args, _output, ranges=ranges):
+            ranges.pop().__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    return handles
+
+
+def what_remains(preset: str | None = None, warmup: int = 2, **overrides) -> dict:
+    """Profile one eager training step: host time per model part, the top operators, sync points."""
+    cfg = bench_config(preset, **overrides)
+    info = du.init_distributed()
+    device = info.device
+    cfg = derive(dataclasses.replace(cfg, skip_nonfinite=warmup + 1), 1, device)
+    configure_runtime(cfg, device)
+    train_set, _ = build_datasets(cfg)
+    state = TrainState()
+    batches = batch_stream(build_train_loader(train_set, cfg, 0, 1), state)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, train_set.num_classes).to(device).train()
+    optimizer, scaler, names = build_optimizer(model, cfg), make_scaler(cfg, device), []
+    for _ in range(warmup):
+        train_step(model, optimizer, scaler, batches, cfg, device, state, names)
+    handles = _mark_parts(model)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:
+        with profile(activities=activities) as prof:
+            train_step(model, optimizer, scaler, batches, cfg, device, state, names)
+    finally:
+        for handle in handles:
+            handle.remove()
+    events = prof.key_averages()
+    step_ms = max(e.cpu_time_total for e in events) / 1000
+    parts = [{"part": label, "host ms": e.cpu_time_total / 1000, "calls": e.count}
+             for label in PARTS for e in events if e.key == label]
+    operators = sorted((e for e in events if e.key.startswith(("aten::", "torchvision::"))),
+                       key=lambda e: e.self_cpu_time_total, reverse=True)
+    top = [{"operator": e.key, "calls": e.count, "self host ms": e.self_cpu_time_total / 1000} for e in operators[:10]]
+    syncs = {e.key: e.count for e in events if e.key in SYNC_OPS}
+    return {"step host ms": step_ms, "parts": parts, "top operators": top, "sync points": syncs,
+            "operator calls": sum(e.count for e in operators), "preset": cfg.preset, "device": str(device)}
