@@ -30,21 +30,29 @@ command) and say when a knob made no difference here, and why. Every public func
 Config fields as keyword overrides (`table(batch_size=8)`, `sweep_amp(min_size=96)`).
 
 Modules: `harness` (the measurement and its worker processes), `results` (BenchResult, its table,
-plots and files), `scaling` (the speed table, `table`), `sweeps`, `gpu` (the GPU suite), `cli` (the shell).
+plots and files), `scaling` (the speed table, `table`), `sweeps`, `gpu` (the GPU suite), `cli` (the shell),
+`cache` (`cached(fn, **args)`: each figure measured once per hardware and code, with its spread),
+`predict` (the article's table taken apart, scaling on paper, `scaling_curve`).
 """
 from .cli import build_parser, main
 from .gpu import gpu_suite
+from .overhead import overhead
+from .profile import backbone_shapes
 from .harness import (BENCH_SHAPES, Measurement, bench_config, bench_dataset, environment, launch_measure,
                       measure, measure_worker, multiscale_sizes, pin_cores)
 from .results import BenchResult, load_suite, markdown_table, python_call, results_path
 from .sweeps import (NO_DIFFERENCE, SWEEP_COLUMNS, SWEEPS, knob_note, sweep_accum, sweep_amp, sweep_channels_last,
                      sweep_cudnn, sweep_fast_path, sweep_loader, sweep_size)
 from .scaling import CPU_TABLE_BATCH, TABLE_COLUMNS, table
+from .cache import above, cached, describe_cache, interval, spread_text, timing_row, versus
+from . import predict
+from .predict import scaling_curve
 
 __all__ = [
-    "BENCH_SHAPES", "CPU_TABLE_BATCH", "NO_DIFFERENCE", "SWEEPS", "SWEEP_COLUMNS", "TABLE_COLUMNS", "BenchResult",
+    "BENCH_SHAPES", "backbone_shapes", "CPU_TABLE_BATCH", "NO_DIFFERENCE", "SWEEPS", "SWEEP_COLUMNS", "TABLE_COLUMNS", "BenchResult",
     "Measurement", "bench_config", "bench_dataset", "build_parser", "environment", "gpu_suite", "knob_note",
     "launch_measure", "load_suite", "main", "markdown_table", "measure", "measure_worker", "multiscale_sizes",
-    "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
+    "overhead", "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
+    "above", "cached", "describe_cache", "interval", "predict", "scaling_curve", "spread_text", "timing_row", "versus",
 ]

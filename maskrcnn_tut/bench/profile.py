@@ -78,3 +78,23 @@ def what_remains(preset: str | None = None, warmup: int = 2, **overrides) -> dic
     syncs = {e.key: e.count for e in events if e.key in SYNC_OPS}
     return {"step host ms": step_ms, "parts": parts, "top operators": top, "sync points": syncs,
             "operator calls": sum(e.count for e in operators), "preset": cfg.preset, "device": str(device)}
+
+
+def backbone_shapes(fixed_shapes: bool, batches: int = 24, preset: str | None = None, **overrides) -> set:
+    """The distinct (height, width) batches the backbone meets over `batches` training batches,
+    padded as torchvision does or to fixed shapes (with orientation grouping, as `--fixed-shapes`
+    is meant to run)."""
+    grouping = {"aspect_ratio_group_factor": 0} if fixed_shapes else {}
+    cfg = bench_config(preset, fixed_shapes=fixed_shapes, **grouping, **overrides)
+    cfg = derive(cfg, 1, "cpu")
+    train_set, _ = build_datasets(cfg)
+    state = TrainState()
+    stream = batch_stream(build_train_loader(train_set, cfg, 0, 1), state)
+    transform = build_model(cfg, train_set.num_classes).transform.train()
+    seen = set()
+    with torch.inference_mode():
+        for _ in range(batches):
+            images, targets = next(stream)
+            image_list, _ = transform([image.float() / 255 for image in images], list(targets))
+            seen.add(tuple(image_list.tensors.shape[-2:]))
+    return seen
