@@ -13,6 +13,8 @@ import math
 import multiprocessing
 import pickle
 from collections import Counter, defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -280,7 +282,8 @@ def _clean_images(start: int, stop: int) -> tuple[list[bytes], list[tuple], Data
         if not usable and job["train"]:
             report.add("no_annotations", image_id)
             continue
-        record = (image_id if job["int_ids"] else position + 1, img["file_name"], width, height, usable, crowd, image_id)
+        eval_id = image_id if job["int_ids"] else position + 1
+        record = (eval_id, img["file_name"], width, height, usable, crowd, image_id)
         items.append(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
         sizes.append((width, height, len(usable)))
     return items, sizes, report
@@ -310,10 +313,13 @@ def clean_coco(data: dict, image_dir: Path | str, train: bool = True, verify_pix
     chunks = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
     try:
         if len(chunks) > 1:
-            with multiprocessing.get_context("fork").Pool(len(chunks)) as pool:
-                parts = pool.starmap(_clean_images, chunks)
+            with ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("fork")) as pool:
+                parts = list(pool.map(_clean_images, *zip(*chunks)))
         else:
             parts = [_clean_images(*chunk) for chunk in chunks]
+    except BrokenProcessPool:
+        raise DataError(f"{image_dir}: a process cleaning the dataset died (killed for lack of memory?); "
+                        f"retry with fewer processes per machine") from None
     finally:
         _JOB.clear()
     items, sizes = [], []

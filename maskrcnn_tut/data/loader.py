@@ -161,12 +161,17 @@ def records_cache_dir() -> Path:
     return default_cache_dir() / "coco-records"
 
 
+def build_dataset(cfg, split: str) -> CocoDetection:
+    """One split as training and evaluation read it: cleaned for a model resizing to
+    --min-size/--max-size (`extreme_aspect`), large datasets through the records cache."""
+    train = split == "train"
+    return CocoDetection(*dataset_paths(cfg, split), transforms=train_transforms() if train else None,
+                         train=train, min_size=cfg.min_size, max_size=cfg.max_size, cache_dir=records_cache_dir())
+
+
 def build_datasets(cfg) -> tuple[CocoDetection, CocoDetection]:
-    """Both splits, cleaned as for a model resizing to --min-size/--max-size (`extreme_aspect`)."""
-    common = dict(min_size=cfg.min_size, max_size=cfg.max_size, cache_dir=records_cache_dir())
-    train = CocoDetection(*dataset_paths(cfg, "train"), transforms=train_transforms(), train=True, **common)
-    val = CocoDetection(*dataset_paths(cfg, "val"), transforms=None, train=False, **common)
-    return train, val
+    """(train, val) by `build_dataset`."""
+    return build_dataset(cfg, "train"), build_dataset(cfg, "val")
 
 
 def steps_per_epoch(loader: DataLoader, accum_steps: int) -> int:
