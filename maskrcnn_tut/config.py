@@ -124,6 +124,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         batch_size=4, max_steps=450, optimizer="adamw", lr=2e-3, weight_decay=1e-4,
         warmup_steps=50, workers=1, bucket_cap_mb=100.0,
     ),
+    # Real photos on a CPU: cpu-tiny at 192/288 px instead of 128/192 (at 128 px a 640x480 COCO
+    # photo becomes 170x128 and half its instances end under 9 px). Meant first for the overfit
+    # check (`--overfit 8 --max-steps 150`), which proves data, labels and pipeline in minutes.
+    "cpu-real": dict(
+        backbone="resnet18", norm="bn", min_size=192, max_size=288,
+        fpn_channels=64, mask_head_layers=2, mask_head_channels=64, box_head_dim=256,
+        anchor_sizes="16,32,64,128,256",
+        rpn_pre_nms_top_n=200, rpn_post_nms_top_n=100,
+        rpn_batch_size_per_image=64, box_batch_size_per_image=64,
+        batch_size=4, max_steps=450, optimizer="adamw", lr=2e-3, weight_decay=1e-4,
+        warmup_steps=50, workers=1, bucket_cap_mb=100.0,
+    ),
     # Mask R-CNN R50-FPN as torchvision's detection reference trains it, where it can be:
     # its sizes and sampling, SGD momentum 0.9 with lr 0.02 per 16 images (its "0.02/8*$NGPU" at
     # 2 images per GPU, i.e. 0.01 for REFERENCE_BATCH = 8), weight decay 1e-4, 1000 warm-up steps,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from .data.coco import UNREADABLE_KEY
 from .data.loader import iterate, to_device
 
 METRICS = ("AP", "AP50", "AP75")
+log = logging.getLogger(__name__)
 
 
 def to_coco_results(outputs: list[dict], image_ids: list[int], label_to_cat: dict[int, int],
@@ -62,6 +64,17 @@ def coco_metrics(coco_gt: COCO, results: list[dict], image_ids: list[int] | None
         for name, value in zip(METRICS, evaluator.stats[:3]):
             metrics[f"{iou_type}_{name}"] = max(float(value), 0.0)
     return metrics
+
+
+def prediction_stats(results: list[dict], image_ids: list[int]) -> dict[str, float]:
+    """How much the model predicted: detections per image, the share of images with none, and the
+    median and top score (what tells "AP 0" from a model that predicts nothing at all)."""
+    scores = np.array([r["score"] for r in results], dtype=np.float64)
+    with_detections = len({r["image_id"] for r in results})
+    return {"detections_per_image": len(results) / max(len(image_ids), 1),
+            "images_without_detections": (len(image_ids) - with_detections) / max(len(image_ids), 1),
+            "score_median": float(np.median(scores)) if len(scores) else 0.0,
+            "score_max": float(scores.max()) if len(scores) else 0.0}
 
 
 def coco_from_dict(dataset: dict) -> COCO:
@@ -146,4 +159,9 @@ def evaluate(model, loader, coco_gt: COCO, device, label_to_cat, amp_context=con
     all_results, all_ids = gathered
     if len(all_ids) != len(set(all_ids)):
         raise RuntimeError("evaluation saw an image twice: the eval shards overlap")
-    return coco_metrics(coco_gt, all_results, all_ids)
+    stats = prediction_stats(all_results, all_ids)
+    if not all_results:
+        log.warning("the model predicted nothing on %d images (no detection scored above the model's score "
+                    "threshold): its AP of 0 says the model has not learned yet, not that evaluation is broken; "
+                    "train longer, or prove the pipeline with --overfit 8", len(all_ids))
+    return coco_metrics(coco_gt, all_results, all_ids) | stats

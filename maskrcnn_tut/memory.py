@@ -234,3 +234,141 @@ def memory_table(preset: str = "gpu-r50", image_sizes: tuple[int, ...] = (256, 5
                                                 gpu_memory_gb=gpu_memory_gb)))
     result.provenance["gpu_memory_gb_compared"] = gpu_memory_gb
     return result
+
+
+# --------------------------------------------------------------------------- bytes per parameter (chapter 1)
+
+#: The recipes `bytes_per_parameter` derives and measures: (name, optimizer, autocast).
+RECIPES = (("fp32, SGD + momentum", "sgd", False), ("fp32, AdamW", "adamw", False),
+           ("AMP, SGD + momentum", "sgd", True), ("AMP, AdamW", "adamw", True))
+
+
+def derived_bytes(optimizer: str, momentum: float = 0.9) -> dict[str, int]:
+    """Bytes per parameter of a recipe's fixed memory, from first principles.
+
+    Weights are fp32 (4 B), and gradients take the weights' dtype (4 B). SGD with momentum keeps
+    one fp32 buffer per weight (4 B; none without momentum), AdamW two moments (8 B). Autocast
+    changes none of these: the fp32 weights stay (the "master weights") and each op casts them to
+    half precision on the fly; those copies (2 B per weight, until backward) are saved tensors, so
+    they count as activations, and what autocast shrinks is the activations.
+    """
+    state = {"sgd": 4 if momentum else 0, "adamw": 8}[optimizer]
+    return {"weights": 4, "gradients": 4, "optimizer state": state}
+
+
+def _step_bytes(model, cfg: Config, optimizers: tuple[str, ...], image_size: int, device: torch.device) -> dict:
+    """One real forward and backward of `model` under `cfg`'s autocast (batch 1), then one
+    `step()` of a fresh optimizer of each kind in `optimizers` on those gradients: MiB of the
+    weights and gradients, of each optimizer's state, and the gradients' dtype."""
+    model.zero_grad(set_to_none=True)
+    images, targets = to_device(*synthetic_batch(image_size, 1), device)
+    with autocast(cfg, device):
+        losses = model(images, targets)
+    sum(losses.values()).backward()  # no GradScaler: what a step holds does not depend on the scale
+    parameters = list(model.parameters())
+    grads = [p.grad for p in parameters if p.grad is not None]
+    measured = {"weights": _tensor_mb(parameters), "gradients": _tensor_mb(grads),
+                "gradient dtype": str(grads[0].dtype).replace("torch.", "")}
+    for kind in optimizers:
+        optimizer = build_optimizer(model, dataclasses.replace(cfg, optimizer=kind))
+        optimizer.step()
+        measured[kind] = _tensor_mb(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+        del optimizer
+    model.zero_grad(set_to_none=True)
+    return measured
+
+
+def _recipe_config(base: Config, amp: bool, image_size: int, device: torch.device) -> Config:
+    return _sized(dataclasses.replace(base, amp=amp, amp_dtype=None), image_size, device)
+
+
+#: RPN/RoI sampling for `bytes_per_parameter`'s steps: lighter sampling changes no parameter, only time.
+LIGHT_SAMPLING = dict(rpn_pre_nms_top_n=200, rpn_post_nms_top_n=100, rpn_batch_size_per_image=64,
+                      box_batch_size_per_image=64)
+
+
+def bytes_per_parameter(preset: str = "gpu-r50", image_size: int = 96,
+                        device: torch.device | str | None = None) -> BenchResult:
+    """Each of `RECIPES` derived (`derived_bytes` x the model's real parameter count) beside what
+    a real step of that recipe left in memory: the model's forward and backward at `image_size`
+    (batch 1) without and with autocast (float16 on a GPU, bfloat16 on a CPU), then one `step()`
+    of each optimizer on those gradients (`LIGHT_SAMPLING`: the steps take seconds on a CPU).
+
+    Each row: the derived bytes per parameter (weights, gradients, optimizer state, their sum),
+    derived and measured MiB of that fixed part, the measured bytes per parameter of each part,
+    `as derived` (every part within 0.01 B per parameter of its derivation) and the gradients' dtype.
+    """
+    device = torch.device(device) if device is not None else du.info().device
+    base = make_config(preset, **LIGHT_SAMPLING)
+    model, _ = _model_and_optimizer(_recipe_config(base, False, image_size, device), device)
+    count = sum(p.numel() for p in model.parameters())
+    optimizers = tuple(dict.fromkeys(optimizer for _, optimizer, _ in RECIPES))
+    steps = {amp: _step_bytes(model, _recipe_config(base, amp, image_size, device), optimizers, image_size, device)
+             for amp in (False, True)}
+    rows = []
+    for name, optimizer, amp in RECIPES:
+        cfg = _recipe_config(base, amp, image_size, device)
+        derived = derived_bytes(optimizer, cfg.momentum)
+        step = steps[amp]
+        measured = {"weights": step["weights"], "gradients": step["gradients"], "optimizer state": step[optimizer]}
+        per_param = {part: measured[part] * MIB / count for part in derived}
+        rows.append({"recipe": name, **{f"{part} B": b for part, b in derived.items()},
+                     "fixed B/param": sum(derived.values()), "derived MiB": sum(derived.values()) * count / MIB,
+                     "measured MiB": sum(measured.values()),
+                     **{f"measured {part} B": per_param[part] for part in derived},
+                     "as derived": all(abs(per_param[p] - derived[p]) < 0.01 for p in derived),
+                     "gradient dtype": step["gradient dtype"],
+                     "autocast": str(amp_dtype(cfg)).replace("torch.", "") if amp else "off"})
+    notes = [f"{preset}: {base.backbone}-FPN, {count:,} parameters; derived MiB = bytes per parameter x that count. "
+             "Measured: the weights and gradients after one real forward and backward on "
+             f"{device.type} ({image_size} px, batch 1), and each optimizer's state after its first step().",
+             "AMP keeps the fp32 weights, and so fp32 gradients and optimizer state: the fixed part does not "
+             "shrink (`autocast_activations` shows what does)."]
+    columns = ["recipe", "weights B", "gradients B", "optimizer state B", "fixed B/param", "derived MiB",
+               "measured MiB", "as derived", "gradient dtype", "autocast"]
+    result = BenchResult("bytes_per_parameter", f"Bytes per parameter, derived and measured ({base.backbone}-FPN)",
+                         rows, columns, notes, provenance(python_call("memory.bytes_per_parameter", preset=preset,
+                                                                       image_size=image_size)))
+    result.provenance["parameters"] = count
+    return result
+
+
+def autocast_activations(preset: str = "gpu-r50", image_sizes: tuple[int, ...] = (192, 320),
+                         extrapolate_to: tuple[int, ...] = (), device: torch.device | str | None = None) -> list[dict]:
+    """Activations (the tensors autograd saves, `breakdown`'s count) of one forward pass at each
+    size, batch 1, in fp32 and under autocast (float16 on a GPU, bfloat16 on a CPU), one model;
+    then rows for `extrapolate_to` sizes, each fitted as a + b x pixels through the first and last
+    counted size (as `memory_table` extrapolates), marked "extrapolated".
+
+    Autocast saves half-size activations but also its half-precision copy of each weight it casts
+    (2 B per parameter): at small images the copies can outweigh the savings.
+    """
+    device = torch.device(device) if device is not None else du.info().device
+    base = make_config(preset)
+    model, _ = _model_and_optimizer(_recipe_config(base, False, image_sizes[0], device), device)
+    rows = []
+    for size in image_sizes:
+        model.transform.min_size, model.transform.max_size = (size,), size  # resize to this size, as _sized
+        fp32, amp = (_activations(model, *synthetic_batch(size, 1), _recipe_config(base, on, size, device), device)[0]
+                     for on in (False, True))
+        rows.append({"image size": size, "fp32 MiB": fp32, "autocast MiB": amp, "activations": "counted"})
+    first, last = rows[0], rows[-1]
+    for size in extrapolate_to:
+        row = {"image size": size, "activations": "extrapolated"}
+        for key in ("fp32 MiB", "autocast MiB"):
+            slope = (last[key] - first[key]) / (last["image size"] ** 2 - first["image size"] ** 2)
+            row[key] = first[key] + slope * (size ** 2 - first["image size"] ** 2)
+        rows.append(row)
+    for row in rows:
+        row["autocast / fp32"] = row["autocast MiB"] / row["fp32 MiB"]
+    return rows
+
+
+def fixed_bytes(preset: str) -> dict:
+    """A preset's parameter count and the fixed part (weights, gradients, optimizer state) that its
+    own optimizer implies in fp32 (`derived_bytes`), without building an optimizer or a batch."""
+    cfg = make_config(preset)
+    count = sum(p.numel() for p in build_model(cfg, num_classes=4).parameters())
+    per_parameter = sum(derived_bytes(cfg.optimizer, cfg.momentum).values())
+    return {"preset": preset, "backbone": cfg.backbone, "optimizer": cfg.optimizer, "parameters": count,
+            "bytes per parameter": per_parameter, "MiB": count * per_parameter / MIB}

@@ -136,32 +136,91 @@ def ddp_accumulation_check(accum_steps: int = 4, batch_size: int = 2, seed: int 
 
 
 def gradient_noise(cfg: Config, batch_sizes: Sequence[int], images_per_size: int, seed: int = 0) -> list[dict]:
-    """How far one batch's gradient is from the average gradient, for each batch size.
+    """How far one batch's gradient is from the average gradient, for each batch size, with its spread.
 
-    For batch size B, `images_per_size // B` disjoint batches are drawn and each one's gradient
-    taken (one `engine.train_step` at a vanishing learning rate, from the same weights). The noise
-    is the mean squared distance of those gradients from their average, relative to the average's
-    squared norm; for independent samples it falls as 1/B.
+    A pool of `images_per_size` (N) training images is drawn at random, the same pool for every
+    batch size. For batch size B it is split into k = N // B disjoint batches and each one's
+    gradient g_b is taken (one `engine.train_step` at a vanishing learning rate, from the same
+    weights). The noise is the batches' sample variance around their own mean, relative to the
+    mean's squared norm:
+
+        noise(B) = sum_b |g_b - mean|^2 / (k - 1) / |mean|^2
+
+    The k - 1 matters. The k batches are the whole pool, so their mean is the pool's gradient, not
+    the dataset's; dividing by k (the plain mean squared distance) gives an estimate whose
+    expectation is S^2/B x (N - B)/N (S^2: the per-image gradient variance), a finite-population
+    bias that grows with B (half at B = N/2), so noise falls faster than 1/B. Dividing by k - 1 is
+    that finite-population correction: the variance's expectation is then S^2/B exactly (images
+    drawn at random without replacement, a batch's gradient the mean of its images'), so it falls
+    as 1/B where images are independent.
+
+    Each row: batch size, batches (k), the noise, and its jackknife standard error over the k
+    batches (`noise SE`; None when k < 3). Needs k >= 2 for every batch size.
     """
     train_set, _ = build_datasets(cfg)
+    if images_per_size > len(train_set):
+        raise ValueError(f"gradient_noise: a pool of {images_per_size} images, but the dataset has {len(train_set)}")
+    too_large = [b for b in batch_sizes if images_per_size // b < 2]
+    if too_large:
+        raise ValueError(f"gradient_noise: batch size(s) {too_large} leave fewer than two batches in a pool of "
+                         f"{images_per_size} images; use images_per_size >= {2 * max(too_large)}")
     torch.manual_seed(seed)
     model = build_model(cfg, train_set.num_classes)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed)).tolist()
+    size = sum(p.numel() for p in model.parameters())
     rows = []
     for batch_size in batch_sizes:
-        grads = []
-        for first in range(0, images_per_size - batch_size + 1, batch_size):
+        k = images_per_size // batch_size
+        grads = torch.empty(k, size, dtype=torch.bfloat16)  # k gradients, in half the bytes of fp32
+        for b in range(k):
             model.load_state_dict(start)
-            torch.manual_seed(seed + first)
-            batch = collate([train_set[i] for i in order[first:first + batch_size]])
-            grads.append(torch.cat([g.flatten() for g in accumulated_gradients(model, [batch], 1).values()]))
-        stacked = torch.stack(grads)
-        mean = stacked.mean(0)
-        noise = float(((stacked - mean) ** 2).sum(1).mean() / (mean ** 2).sum())
-        rows.append({"batch size": batch_size, "batches": len(grads), "relative gradient noise": noise})
+            torch.manual_seed(seed + b * batch_size)
+            batch = collate([train_set[i] for i in order[b * batch_size:(b + 1) * batch_size]])
+            grads[b] = torch.cat([g.flatten() for g in accumulated_gradients(model, [batch], 1).values()])
+        noise, error = _noise_from_gram(_gram(grads))
+        rows.append({"batch size": batch_size, "batches": k, "relative gradient noise": noise, "noise SE": error})
+        del grads
     model.load_state_dict(start)
     return rows
+
+
+def _gram(stacked: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """G G^T for k stacked gradients: float32 products of a slice of columns at a time, summed in float64."""
+    gram = torch.zeros(stacked.shape[0], stacked.shape[0], dtype=torch.float64)
+    for begin in range(0, stacked.shape[1], chunk):
+        part = stacked[:, begin:begin + chunk].float()
+        gram += (part @ part.T).double()
+    return gram
+
+
+def batch_variance(gram: torch.Tensor) -> tuple[float, float]:
+    """(variance, |mean|^2) of k batch gradients from their Gram matrix G G^T: the sample
+    variance sum_b |g_b - mean|^2 / (k - 1) (the finite-population-corrected estimate of
+    `gradient_noise`) and the squared norm of their mean."""
+    k = gram.shape[0]
+    total = float(gram.sum())  # |sum of g_b|^2
+    return (float(gram.trace()) - total / k) / (k - 1), total / k ** 2
+
+
+def _noise_from_gram(gram: torch.Tensor) -> tuple[float, float | None]:
+    """(noise, jackknife standard error) of `gradient_noise` from the batches' Gram matrix."""
+    def estimate(keep: torch.Tensor) -> float:
+        variance, mean_norm = batch_variance(gram[keep][:, keep])
+        return variance / mean_norm
+
+    k = gram.shape[0]
+    everything = torch.ones(k, dtype=torch.bool)
+    noise = estimate(everything)
+    if k < 3:
+        return noise, None
+    leave_one_out = []
+    for j in range(k):
+        keep = everything.clone()
+        keep[j] = False
+        leave_one_out.append(estimate(keep))
+    mean = sum(leave_one_out) / k
+    return noise, ((k - 1) / k * sum((v - mean) ** 2 for v in leave_one_out)) ** 0.5
 
 
 # --------------------------------------------------------------------------- chapter 4

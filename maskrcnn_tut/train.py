@@ -21,9 +21,8 @@ from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut import distributed as du
 from maskrcnn_tut import rundir
 from maskrcnn_tut.config import Config, derive, validate
-from maskrcnn_tut.data.coco import CocoDetection
-from maskrcnn_tut.data.loader import (batch_stream, build_datasets, build_eval_loader, build_train_loader,
-                                      dataset_paths, steps_per_epoch)
+from maskrcnn_tut.data.loader import (batch_stream, build_dataset, build_datasets, build_eval_loader,
+                                      build_train_loader, steps_per_epoch)
 from maskrcnn_tut.data.shapes import ensure_shapes_dataset
 from maskrcnn_tut.engine import (TrainState, autocast, build_optimizer, build_scheduler, configure_runtime,
                                  make_scaler, train_step)
@@ -68,7 +67,7 @@ def evaluate_checkpoint(cfg: Config, info: du.DistInfo, found: tuple[Path, dict]
     """`--test-only`: score the checkpoint (or --weights) at the settings it was trained with."""
     if found is not None:
         cfg = ckpt.inference_config(cfg, found[1], found[0])
-    val_set = CocoDetection(*dataset_paths(cfg, "val"), transforms=None, train=False)
+    val_set = build_dataset(cfg, "val")
     model = build_model(cfg, val_set.num_classes).to(info.device)
     if found is not None:
         ckpt.check_compatible(found[1], cfg.to_dict() | {"num_classes": val_set.num_classes,
@@ -98,8 +97,11 @@ def run(cfg: Config) -> dict:
         return evaluate_checkpoint(cfg, info, found)
     rundir.claim(out, info)  # one run per output folder; a second one stops here naming the first
 
-    # data: every rank cleans the same json the same way; rank 0 reports what it found
+    # data: every rank cleans the same json the same way; rank 0 reports what it found. The
+    # overfit check trains on the first N training images, unaugmented, and evaluates on the same N
     train_set, val_set = build_datasets(cfg)
+    if cfg.overfit:
+        train_set, val_set = train_set.first(cfg.overfit), train_set.first(cfg.overfit)  # no flips: memorize these
     cfg_dict = cfg.to_dict() | {"num_classes": train_set.num_classes, "class_names": train_set.class_names}
     if info.is_main:
         for name, ds in (("train", train_set), ("val", val_set)):
@@ -192,10 +194,13 @@ def run(cfg: Config) -> dict:
         summary = {"steps": state.step, "wall_s": round(time.perf_counter() - started, 1),
                    "train_img_per_s": round(images / max(train_time, 1e-9), 2),
                    "nonfinite_skipped": state.nonfinite_skipped, "scaler_skipped": state.scaler_skipped,
-                   "load_failed": train_set.report.counts["load_failed"], **metrics}
+                   "load_failed": train_set.report.counts["load_failed"],
+                   "val_load_failed": val_set.report.counts["load_failed"], **metrics}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"done: {state.step} steps in {summary['wall_s']} s, {summary['train_img_per_s']} img/s; "
-              + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()) + f"; outputs in {out}")
+              + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+              + f"; images that failed to decode: {summary['load_failed']} train, {summary['val_load_failed']} val"
+              + f"; outputs in {out}")
     return metrics or {}
 
 

@@ -8,8 +8,9 @@ The first call runs the benchmark and writes its `BenchResult` to
 so two chapters can never quote two different measurements of one figure. The key is:
 
 - the hardware, as `hardware.provenance` names it (label, CPU model, GPUs) and the torch version;
-- the code that measures: a hash of the sources of `bench/`, `engine.py`, `model.py`, `config.py`,
-  `distributed.py`, `dataparallel.py` and `data/` (`code_hash()`), so an edit measures again;
+- the code that measures: a hash of the sources that decide the measurement (`CODE_SOURCES`: the
+  bench harness, `engine.py`, `model.py`, `config.py`, the process launcher, the data loader) and of
+  the cached function's own module (`code_hash()`), so an edit there measures again;
 - the function and its arguments with the defaults filled in (`cached(table)` and
   `cached(table, steps=16)` are one key).
 
@@ -43,8 +44,12 @@ from .results import BenchResult
 
 #: Bump when the cached file's layout changes: older files are then measured again.
 CACHE_VERSION = 1
-#: The package's sources whose hash is part of every key (paths relative to `maskrcnn_tut/`).
-CODE_SOURCES = ("bench", "engine.py", "model.py", "config.py", "distributed.py", "dataparallel.py", "data")
+#: The sources that decide what a benchmark measures (paths relative to `maskrcnn_tut/`): the
+#: harness, the training step, the model, the config, the processes and the batches. The cached
+#: function's own module is hashed too. Other modules (plots, other sweeps) can change freely.
+CODE_SOURCES = ("bench/harness.py", "bench/results.py", "bench/cache.py", "engine.py", "model.py", "config.py",
+                "distributed.py", "rendezvous.py", "dataparallel.py", "data/loader.py", "data/coco.py",
+                "data/shapes.py")
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -84,8 +89,11 @@ def call_arguments(fn: Callable, args: tuple, kwargs: dict) -> dict:
 def cache_key(fn: Callable, args: tuple = (), kwargs: dict | None = None) -> dict:
     """What a cached result depends on: hardware, torch, the measuring code, function, arguments."""
     prov = provenance("")
+    own = Path(inspect.getsourcefile(fn) or "").resolve()
+    sources = CODE_SOURCES + ((str(own.relative_to(PACKAGE_ROOT)),) if own.is_relative_to(PACKAGE_ROOT) else ())
     return {"version": CACHE_VERSION, "hardware": prov["hardware"], "cpu": prov["cpu"], "gpus": prov["gpus"],
-            "cpu_bf16": prov["cpu_bf16"], "torch": prov["torch"], "code": code_hash(), "function": f"{fn.__module__}.{fn.__qualname__}",
+            "cpu_bf16": prov["cpu_bf16"], "torch": prov["torch"], "code": code_hash(sources),
+            "function": f"{fn.__module__}.{fn.__qualname__}",
             "arguments": {k: repr(v) for k, v in call_arguments(fn, args, kwargs or {}).items()}}
 
 
@@ -140,6 +148,7 @@ def add_spread(result: BenchResult, measurements: list) -> bool:
     for row, m in zip(rows, measurements):
         q1, q3 = _quartiles(list(m.iter_times))
         row["step s"] = [round(t, 5) for t in m.iter_times]
+        row["images/step"] = m.images_per_step
         row["img/s lo"], row["img/s hi"] = m.images_per_step / q3, m.images_per_step / q1
     base = rows[0]
     for row in rows:
@@ -158,6 +167,14 @@ def add_spread(result: BenchResult, measurements: list) -> bool:
     result.notes.append("img/s IQR: images per step over the 75th and 25th percentile step times (the middle "
                         "half of the measured steps); speedups whose ranges overlap are too noisy to tell apart.")
     return True
+
+
+def timing_row(times: list[float], images_per_step: float = 1.0) -> dict:
+    """A row with img/s and its IQR range from raw step times, for `versus` / `spread_text`
+    (e.g. two runs of the same images per step: the faster has the higher img/s)."""
+    q1, q3 = _quartiles(list(times))
+    return {"img/s": images_per_step / statistics.median(times), "img/s lo": images_per_step / q3,
+            "img/s hi": images_per_step / q1, "step s": list(times)}
 
 
 def interval(row: dict | None, key: str = "img/s") -> tuple[float, float] | None:

@@ -10,6 +10,8 @@ curve this machine measures (1, 2, 4, ... devices) and the curve a ring all-redu
   not hidden at all (its worst): two bounds, weak scaling (the same batch per device).
 - `scaling_curve(...)`: the measured curve: `bench.table`'s 1 and N devices (through the cache)
   and DDP at every power of two between them.
+- `table_verdicts(speed)`: sentences about a speed table that say "too noisy to tell" where its
+  rows' ranges overlap.
 - `plot_scaling(...)`: measured points with their spread, the predicted bounds, the article's and
   NVIDIA's published points.
 
@@ -22,16 +24,15 @@ nodes, and its slowest hop sets the pace. Latency (microseconds per hop) is left
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Sequence
 
 import torch
 
 from ..errors import BenchError
 from ..hardware import provenance, usable_cores
-from .cache import add_spread, cached, interval
+from .cache import above, cached, interval, spread_text, versus
 from .harness import bench_config, launch_measure
-from .results import BenchResult, python_call
+from .results import BenchResult, python_call, row_label
 from .scaling import CPU_TABLE_BATCH, table
 
 #: GPUs per node before a ring all-reduce has to cross the network between nodes.
@@ -85,8 +86,9 @@ def article_arithmetic(rows: Sequence[dict], coco_images: int, card_gb: float = 
     counts = sorted({row["devices"] for row in others})
     return {"rows": table_rows, "card share": single["memory GB"] / card_gb, "card GB": card_gb,
             "epoch days": epoch_days, "schedule days": {name: epochs * epoch_days for name, epochs in schedules.items()},
-            "schedules": dict(schedules), "confounded": len(counts) > 1 and len({r["setup"].split("(")[-1] for r in others}) > 1,
-            "device counts": counts, "efficiencies": [r["efficiency"] for r in table_rows[1:]],
+            "schedules": dict(schedules), "device counts": counts,
+            # each multi-device row is another method at another device count: method and count confounded
+            "confounded": len(others) > 1 and len(counts) == len(others), "efficiencies": [r["efficiency"] for r in table_rows[1:]],
             "GB per device": [r["GB per device"] for r in table_rows]}
 
 
@@ -124,6 +126,17 @@ def predict(step_s: float, gradient_bytes: float, counts: Sequence[int] = PAPER_
 def gradient_bytes(model: torch.nn.Module) -> int:
     """Bytes of fp32 gradients DDP all-reduces each step: 4 per trainable parameter."""
     return 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def model_gradient_bytes(preset: str | None = None, num_classes: int | None = None) -> int:
+    """`gradient_bytes` of the preset's Mask R-CNN (built on the CPU, random weights), for
+    `num_classes` classes with the background (default: the benchmark's shapes data; COCO is 91)."""
+    from ..data.loader import build_datasets
+    from ..model import build_model
+    cfg = bench_config(preset, None)
+    if num_classes is None:
+        num_classes = build_datasets(cfg)[0].num_classes
+    return gradient_bytes(build_model(cfg, num_classes))
 
 
 def bus_bandwidth_gbps(gradient_bytes_: float, n: int, seconds: float) -> float:
@@ -178,44 +191,117 @@ def scaling_curve(preset: str | None = None, steps: int = 16, warmup: int = 3, *
                      **{k: ddp.get(k) for k in ("img/s lo", "img/s hi", "speedup lo", "speedup hi")}})
     for row in rows:
         row["scaling efficiency"] = row["speedup"] / row["devices"]
-    step_s = statistics.median(base["step s"]) if base.get("step s") else None
     notes = [f"1 and {top} devices: the speed table's rows; between them DDP measured the same way."]
-    return BenchResult("scaling", "Measured scaling", rows, ["devices", "setup", "img/s", "speedup",
-                       "scaling efficiency"], notes, {**speed.provenance, "baseline step s": step_s,
-                                                      "images per step": base["img/s"] * (step_s or 0)})
+    prov = {**speed.provenance, "baseline images/step": base.get("images/step"),
+            "baseline step s": base["images/step"] / base["img/s"] if base.get("images/step") else None}
+    return BenchResult("scaling", "Measured scaling", rows,
+                       ["devices", "setup", "img/s", "speedup", "scaling efficiency"], notes, prov)
 
 
-def plot_scaling(curve: BenchResult, paper: list[dict], title: str, article_rows: Sequence[dict] = (),
+def _pct(value: float) -> str:
+    return f"{100 * value:.0f} %"
+
+
+def table_verdicts(speed: BenchResult) -> dict[str, str]:
+    """Sentences about a `bench.table` result that hold only as far as its spread allows: the DDP
+    speedup, DDP against the same processes without the all-reduce (CPU), against one process with
+    all the threads (CPU) and against DataParallel at the same N (GPUs); memory per device and in all.
+    Where two ranges overlap the sentence says "too noisy to tell"."""
+    measured = [row for row in speed.rows if row.get("img/s") is not None]
+    base, ddp = measured[0], speed.row("DDP")
+    out = {"result": "", "allreduce": "", "threads": "", "dp": "", "memory": ""}
+    if ddp is None:
+        out["result"] = ("This machine has a single device, so its table has no DDP row (DDP needs at least two) and "
+                         "no speedup to set beside the article's.")
+    else:
+        out["result"] = (f"Here {ddp['setup']} reached {spread_text(ddp)} the speed of {base['setup']}, a scaling "
+                         f"efficiency of {_pct(ddp['scaling efficiency'])}.")
+        n = _devices_used(ddp)
+        if above(ddp, 1.0) == 0:
+            out["result"] += " Its range includes 1x: too noisy to tell whether DDP was faster at all."
+        elif above(ddp, float(n)) == 1 or (interval(ddp, "speedup") is None and ddp["speedup"] > 1.02 * n):
+            out["result"] += (f" That is more than {n} devices' worth, which the same work split {n} ways cannot do: "
+                              "the rows ran at different moments of a machine busy with other work (the baseline at "
+                              "a slow one), so this table is too noisy to tell how DDP scales here.")
+    ceiling = speed.row(f"{_devices_used(ddp)} processes without") if ddp else None
+    if ddp and ceiling:
+        verdict = versus(ddp, ceiling)
+        gap = 1 - ddp["img/s"] / ceiling["img/s"]
+        out["allreduce"] = {
+            0: f"The same processes without the gradient all-reduce reached {spread_text(ceiling)}: the ranges overlap, "
+               "so the all-reduce cost nothing measurable here (too noisy to tell it from zero).",
+            -1: f"The same processes without the gradient all-reduce reached {spread_text(ceiling)}: DDP's whole range "
+                f"lies below, so here the all-reduce cost about {_pct(gap)} of the speed.",
+            1: f"The same processes without the gradient all-reduce reached {spread_text(ceiling)}, below DDP's range, "
+               "which only noise can do (skipping work cannot be slower): too noisy to tell.",
+            None: f"The same processes without the gradient all-reduce reached {ceiling['speedup']:.2f}x ({_pct(gap)} "
+                  "more than DDP; no spread was recorded, so whether that is noise cannot be told).",
+        }[verdict]
+    threads = [row for row in measured if (row.get("threads/process") or 0) > (base.get("threads/process") or 0)
+               and row.get("processes") == 1]
+    if ddp and threads:
+        other = max(threads, key=lambda row: row["threads/process"])
+        verdict = versus(ddp, other)
+        out["threads"] = (f"One process with {other['threads/process']} threads reached {spread_text(other)}: " + {
+            1: "DDP's processes beat the same cores used as threads of one process.",
+            -1: "faster than DDP's processes here.",
+            0: "the ranges overlap, too noisy to tell it from DDP.",
+            None: "compare it with DDP's figure (no spread recorded)."}[verdict])
+    dp = speed.row("DP")
+    if dp is None:
+        unmeasured = next((row for row in speed.rows if row_label(row).startswith("DP")), None)
+        out["dp"] = ("There is no DP row: " + (unmeasured or {}).get("note", "DataParallel was not measured") +
+                     ". DataParallel drives several GPUs from one process, so it needs at least two.")
+    elif ddp:
+        verdict = versus(ddp, dp)
+        out["dp"] = (f"At the same {_devices_used(ddp)} GPUs, DataParallel reached {spread_text(dp)} and DDP "
+                     f"{spread_text(ddp)}: " + {1: "DDP was faster, with the method the only difference.",
+                                                -1: "DataParallel was faster here.",
+                                                0: "the ranges overlap, too noisy to tell the methods apart.",
+                                                None: "no spread was recorded."}[verdict])
+    out["memory"] = "; ".join(f"{row['setup']}: {row['peak MiB/device']:.0f} MiB per device, {row['total MiB']:.0f} "
+                              "MiB in all" for row in measured)
+    return out
+
+
+def plot_scaling(curve: BenchResult | None, paper: list[dict], title: str, article_rows: Sequence[dict] = (),
                  published: dict | None = PUBLISHED_SCALING, hardware: str = ""):
-    """Speedup against devices (log-log): the measured curve with its spread, each link's predicted
-    band (between the overlapped and not-overlapped bounds), the article's and NVIDIA's points."""
+    """Scaling efficiency (speedup / devices) against devices: the measured curve with its spread,
+    each link's predicted band (between the not-overlapped and overlapped bounds), the article's
+    and NVIDIA's published points. Efficiency rather than speedup, so that a few percent show."""
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
-    colors = plt.get_cmap("tab10")
+    colors = ["tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink"]
     for index, link in enumerate(dict.fromkeys(row["link"] for row in paper)):
         rows = [row for row in paper if row["link"] == link]
         ns = [row["devices"] for row in rows]
-        ax.fill_between(ns, [row["speedup not overlapped"] for row in rows], [row["speedup overlapped"] for row in rows],
-                        color=colors(index + 2), alpha=0.25, label=f"on paper: {link}")
-        ax.plot(ns, [row["speedup not overlapped"] for row in rows], color=colors(index + 2), linewidth=0.8)
-    top = max(row["devices"] for row in paper)
-    ax.plot([1, top], [1, top], ":", color="black", label="ideal (speedup = devices)")
-    ns = [row["devices"] for row in curve.rows]
-    ys = [row["speedup"] for row in curve.rows]
-    low = [row["speedup"] - (row.get("speedup lo") or row["speedup"]) for row in curve.rows]
-    high = [(row.get("speedup hi") or row["speedup"]) - row["speedup"] for row in curve.rows]
-    ax.errorbar(ns, ys, yerr=[low, high], fmt="o-", color="tab:green", capsize=4, markersize=7,
-                label=f"measured here ({hardware or curve.provenance.get('hardware', '')}; bars: IQR)")
+        worst = [100 * row["efficiency not overlapped"] for row in rows]
+        best = [100 * row["efficiency overlapped"] for row in rows]
+        color = colors[index % len(colors)]
+        ax.fill_between(ns, worst, best, color=color, alpha=0.2)
+        ax.plot(ns, worst, color=color, linewidth=1.2, label=f"on paper: {link} (band: overlap best case)")
+    ax.axhline(100, linestyle=":", color="black", label="ideal (speedup = devices)")
+    if curve is not None:
+        ns = [row["devices"] for row in curve.rows]
+        ys = [100 * row["speedup"] / row["devices"] for row in curve.rows]
+        low = [y - 100 * (row.get("speedup lo") or row["speedup"]) / row["devices"] for y, row in zip(ys, curve.rows)]
+        high = [100 * (row.get("speedup hi") or row["speedup"]) / row["devices"] - y for y, row in zip(ys, curve.rows)]
+        ax.errorbar(ns, ys, yerr=[low, high], fmt="o-", color="tab:green", capsize=4, markersize=7,
+                    label=f"measured here ({hardware or curve.provenance.get('hardware', '')}; bars: IQR)")
     if article_rows:
-        ax.plot([r["devices"] for r in article_rows], [r["speedup"] for r in article_rows], "s", color="tab:gray",
-                markersize=7, label="the article (its GPUs, quoted)")
+        ax.plot([r["devices"] for r in article_rows], [100 * r["img/s"] / (r["devices"] * article_rows[0]["img/s"])
+                                                        for r in article_rows], "s", color="tab:gray", markersize=7,
+                label="the article (its GPUs, quoted)")
     if published:
-        ax.plot(published["gpus"], [v / published["img/s"][0] for v in published["img/s"]], "^", color="tab:red",
-                markersize=7, label="NVIDIA DGX-1, 8x V100, FP32, batch 2 (published)")
+        base = published["img/s"][0]
+        ax.plot(published["gpus"], [100 * v / (g * base) for v, g in zip(published["img/s"], published["gpus"])], "^",
+                color="tab:red", markersize=7, label="NVIDIA DGX-1, 8x V100, FP32, batch 2 (published)")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set(title=title, xlabel="devices (GPUs; on a CPU, processes of one core)", ylabel="speedup over one device (x)")
+    top = max(ax.get_ylim()[1], 105)
+    ax.set_ylim(min(ax.get_ylim()[0], 75), top)
+    ax.set(title=title, xlabel="devices (GPUs; on a CPU, processes of one core)",
+           ylabel="scaling efficiency (% of N x one device)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)
     fig.tight_layout()
     return fig

@@ -153,6 +153,19 @@ class CocoDetection(torch.utils.data.Dataset):
                              "heights": sizes[:, 1], "instances": sizes[:, 2]}
         return build
 
+    def first(self, count: int, transforms=None) -> "CocoDetection":
+        """The first `count` images as a dataset of their own, with `transforms` (the overfit check
+        trains on them, augmented, and evaluates on the same images, unaugmented)."""
+        subset = copy.copy(self)
+        keep = np.arange(len(self.records)) < count
+        subset.records = self.records.subset(keep)
+        subset.widths, subset.heights = self.widths[keep], self.heights[keep]
+        subset.num_instances = sum(len(target) for target in _View(subset.records, _targets))
+        subset.images, subset.targets = _View(subset.records, _image_info), _View(subset.records, _targets)
+        subset.crowds, subset.transforms = _View(subset.records, _crowds), transforms
+        subset.report, subset._warned = copy.deepcopy(self.report), set()
+        return subset
+
     @property
     def num_classes(self) -> int:
         """Categories plus background, as Mask R-CNN counts them."""

@@ -1,0 +1,377 @@
+"""Before a long distributed run from a hub (JupyterHub, a Kubernetes pod, a container): is the box
+big enough, can the processes talk fast enough, is every GPU healthy, and what to do when a run hangs.
+
+- `shm_report()`: the size of `/dev/shm`, which DataLoader workers (every batch they hand over)
+  and NCCL (its shared-memory transport between GPUs of one machine) need; a container gets 64 MB unless
+  told otherwise (Docker's default, and the container runtime's under Kubernetes).
+- `NCCL_VARIABLES`, `nccl_environment()`: the NCCL and torch variables worth knowing, and which
+  of them this process has set.
+- `allreduce_bandwidth(sizes_mb)`: run inside `distributed.launch`: all-reduce time per message
+  size and the bus bandwidth it reached (nccl-tests' definition: 2(N-1)/N x bytes / time).
+- `gpu_health()`: per GPU through NVML: temperature, power, memory, uncorrected ECC errors,
+  clock throttling and the PCIe link (a GPU on a narrower or slower link than it can use is a
+  straggler waiting to happen); [] without an NVIDIA GPU.
+- `preflight(nprocs)`: all of the above as rows of (check, ok, finding, what to do).
+- `diagnose_hang(...)`: a hang reproduced on purpose (one rank stalls in a loop before a
+  collective, the others wait in it) and each rank's Python stack read from outside: with
+  `py-spy dump --pid PID` where py-spy is installed, else with `faulthandler` through a signal.
+  `classify_stack(text)` says which rank stalls and which wait.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from . import distributed as du
+from .hardware import gpu_count
+
+#: Below this /dev/shm is too small for a few DataLoader workers per GPU and NCCL's buffers.
+MIN_SHM_MB = 1024
+#: Docker's default /dev/shm.
+DOCKER_DEFAULT_SHM_MB = 64
+
+NCCL_VARIABLES = [
+    {"variable": "NCCL_DEBUG=INFO", "what it does": "NCCL prints its setup: the transport between every pair of "
+     "GPUs (P2P/NVLink, SHM, NET/IB, NET/Socket), the network interface and rings it chose, and the cause of an "
+     "error", "when": "first thing on any NCCL error or hang; NCCL_DEBUG_SUBSYS=INIT,NET narrows it"},
+    {"variable": "NCCL_SOCKET_IFNAME=eth0", "what it does": "the network interface NCCL's sockets (and its "
+     "bootstrap) use; a prefix, or ^docker,lo to exclude", "when": "multi-node jobs that pick a docker bridge or "
+     "loopback and hang at the first collective"},
+    {"variable": "NCCL_IB_DISABLE=1", "what it does": "do not use InfiniBand / RoCE; fall back to TCP sockets",
+     "when": "to test whether a hang is the IB fabric's (slower, but it runs)"},
+    {"variable": "NCCL_P2P_DISABLE=1", "what it does": "no direct GPU-to-GPU copies (NVLink, PCIe P2P); go "
+     "through host memory", "when": "GPUs behind a PCIe switch or in a VM whose P2P is broken: wrong results or "
+     "hangs that go away with it"},
+    {"variable": "TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "what it does": "a collective that times out or fails aborts "
+     "the process group and ends the process (torch's default since 2.2; older runs wait forever)",
+     "when": "keep it on, so a dead rank ends the job and torchrun can restart it"},
+    {"variable": "TORCH_NCCL_BLOCKING_WAIT=1", "what it does": "each collective waits on the host and raises after "
+     "the process group's timeout, naming the collective", "when": "debugging: a clear exception where the async "
+     "watchdog only logs; slower, not for production"},
+    {"variable": "TORCH_DISTRIBUTED_DEBUG=DETAIL", "what it does": "torch checks that every rank calls the same "
+     "collectives with the same shapes, and logs DDP's unused parameters", "when": "a hang that is a mismatch "
+     "(one rank skipped a collective or called it with another shape)"},
+]
+
+
+# --------------------------------------------------------------------------- /dev/shm
+
+
+def shm_report(path: str | Path = "/dev/shm") -> dict:
+    """Total and free MiB of `path` and a verdict; `ok` is None when there is no such mount."""
+    try:
+        stats = os.statvfs(path)
+    except OSError as err:
+        return {"path": str(path), "ok": None, "total MiB": None, "free MiB": None,
+                "finding": f"{path} is not there ({err.strerror}): PyTorch's DataLoader workers cannot share "
+                           "batches through it and NCCL cannot use its shared-memory transport",
+                "fix": shm_fix()}
+    total, free = stats.f_blocks * stats.f_frsize / 2**20, stats.f_bavail * stats.f_frsize / 2**20
+    ok = total >= MIN_SHM_MB
+    finding = (f"{path} has {total:.0f} MiB ({free:.0f} free)" + (
+        "" if ok else f": too small (Docker's default is {DOCKER_DEFAULT_SHM_MB} MB); DataLoader workers fail with "
+        "'unexpected bus error encountered in worker. This might be caused by insufficient shared memory (shm)', "
+        "NCCL with 'unhandled system error' (NCCL_DEBUG=INFO: 'failed to extend /dev/shm/nccl-...') or a hang"))
+    return {"path": str(path), "ok": ok, "total MiB": total, "free MiB": free, "finding": finding,
+            "fix": "" if ok else shm_fix()}
+
+
+def shm_fix() -> str:
+    return ("give the container more: `docker run --shm-size=16g` (or `--ipc=host`); in Kubernetes mount a "
+            "memory-backed emptyDir at /dev/shm (`volumes: [{name: dshm, emptyDir: {medium: Memory, sizeLimit: "
+            "16Gi}}]`, `volumeMounts: [{name: dshm, mountPath: /dev/shm}]`); until then `--workers 0` keeps the "
+            "loader out of it and NCCL_SHM_DISABLE=1 keeps NCCL out of it (both slower)")
+
+
+def shm_needed_mb(batch_mb: float, workers: int, prefetch_factor: int = 2, processes: int = 1) -> float:
+    """Shared memory the loaders hold at once: each worker keeps `prefetch_factor` batches in flight,
+    in every training process."""
+    return batch_mb * max(workers, 0) * prefetch_factor * processes
+
+
+def nccl_environment(environ: dict | None = None) -> list[dict]:
+    """`NCCL_VARIABLES` with the value each has in this process (or `environ`), "" when unset."""
+    environ = os.environ if environ is None else environ
+    return [{**row, "set here": environ.get(row["variable"].split("=")[0], "")} for row in NCCL_VARIABLES]
+
+
+# --------------------------------------------------------------------------- bandwidth
+
+
+def allreduce_bandwidth(sizes_mb: tuple[float, ...] = (1.0, 16.0, 64.0), repeats: int = 5) -> list[dict]:
+    """Run inside `distributed.launch`: per message size, the median time of one all-reduce over
+    every process (after one warm-up round) and the bus bandwidth it reached. Rows on every rank."""
+    info = du.info()
+    rows = []
+    for size in sizes_mb:
+        device = info.device if info.backend == "nccl" else torch.device("cpu")  # gloo: host memory
+        tensor = torch.zeros(max(1, int(size * 2**20 / 4)), device=device)
+        times = []
+        for _ in range(repeats + 1):
+            du.barrier()
+            start = time.perf_counter()
+            du.all_reduce_sum(tensor)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times[1:])
+        n = info.world_size
+        rows.append({"MB": size, "processes": n, "backend": info.backend, "ms": 1000 * seconds,
+                     "ms min": 1000 * min(times[1:]), "ms max": 1000 * max(times[1:]),
+                     "bus GB/s": 2 * (n - 1) / n * tensor.numel() * 4 / seconds / 1e9})
+    return rows
+
+
+# --------------------------------------------------------------------------- GPU health
+
+
+def _nvml_value(call, *args, default=None):
+    try:
+        return call(*args)
+    except Exception:  # not supported on this GPU, or no permission
+        return default
+
+
+def gpu_health(nvml=None) -> list[dict]:
+    """Each GPU NVML sees: temperature, power, memory, uncorrected ECC errors, throttling, PCIe link;
+    `ok` False with the reason when something is off. [] without an NVIDIA driver (or pynvml)."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return []
+    try:
+        nvml.nvmlInit()
+    except Exception:
+        return []
+    rows = []
+    try:
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            name = _nvml_value(nvml.nvmlDeviceGetName, handle, default="?")
+            name = name.decode() if isinstance(name, bytes) else name
+            memory = _nvml_value(nvml.nvmlDeviceGetMemoryInfo, handle)
+            temp = _nvml_value(nvml.nvmlDeviceGetTemperature, handle, 0)
+            power = _nvml_value(nvml.nvmlDeviceGetPowerUsage, handle)
+            limit = _nvml_value(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+            ecc = _nvml_value(nvml.nvmlDeviceGetTotalEccErrors, handle, 1, 0)  # uncorrected, volatile
+            throttle = _nvml_value(getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                                   or nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle, default=0)
+            gen, width = (_nvml_value(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+                          _nvml_value(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle))
+            max_gen, max_width = (_nvml_value(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+                                  _nvml_value(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle))
+            problems = []
+            if ecc:
+                problems.append(f"{ecc} uncorrected ECC errors since the driver loaded: drain this GPU")
+            # idle (0x1) and applications-clocks setting (0x2) are normal; the rest slows the GPU
+            if throttle and throttle & ~0x3:
+                problems.append(f"clocks held down (reasons mask {throttle:#x}: power, thermal or sync boost)")
+            if temp is not None and temp >= 85:
+                problems.append(f"{temp} °C")
+            if width and max_width and width < max_width and gen and max_gen and gen < max_gen:
+                problems.append(f"PCIe gen {gen} x{width} of gen {max_gen} x{max_width} (idle GPUs drop the "
+                                "link speed; check again under load)")
+            rows.append({"gpu": index, "name": name, "temperature C": temp,
+                         "power W": power / 1000 if power is not None else None,
+                         "power limit W": limit / 1000 if limit is not None else None,
+                         "memory used MiB": memory.used / 2**20 if memory else None,
+                         "memory MiB": memory.total / 2**20 if memory else None,
+                         "uncorrected ECC": ecc, "PCIe": f"gen {gen} x{width}" if gen else None,
+                         "ok": not problems, "finding": "; ".join(problems) or "healthy"})
+    finally:
+        nvml.nvmlShutdown()
+    return rows
+
+
+def preflight(nprocs: int | None = None, sizes_mb: tuple[float, ...] = (1.0, 16.0, 64.0),
+              backend: str | None = None) -> tuple[list[dict], list[dict], list[dict]]:
+    """(checks, bandwidth rows, GPU rows): /dev/shm, the NCCL variables set, an all-reduce across
+    `nprocs` processes (default: one per GPU, else 2 gloo processes) and each GPU's health."""
+    gpus = gpu_count()
+    nprocs = nprocs or (gpus if gpus >= 2 else 2)
+    backend = backend or (None if gpus >= 2 else "gloo")
+    shm = shm_report()
+    checks = [{"check": "/dev/shm", "ok": shm["ok"], "finding": shm["finding"], "what to do": shm["fix"]}]
+    set_here = [row["variable"].split("=")[0] + "=" + row["set here"] for row in nccl_environment() if row["set here"]]
+    checks.append({"check": "NCCL / torch variables", "ok": True,
+                   "finding": ", ".join(set_here) or "none set (NCCL picks its transports itself)",
+                   "what to do": "NCCL_DEBUG=INFO on the first failure"})
+    bandwidth = du.launch(allreduce_bandwidth, nprocs, sizes_mb, backend=backend, timeout_s=120)
+    top = max(bandwidth, key=lambda row: row["MB"])
+    checks.append({"check": f"all-reduce over {nprocs} processes ({top['backend']})", "ok": True,
+                   "finding": f"{top['MB']:g} MB in {top['ms']:.1f} ms: {top['bus GB/s']:.2f} GB/s bus bandwidth",
+                   "what to do": "compare with the link: NVLink ~300 GB/s, PCIe ~25, InfiniBand ~25-50 per node; "
+                                 "far below on GPUs: NCCL_DEBUG=INFO shows which transport it took"})
+    health = gpu_health()
+    if health:
+        bad = [row for row in health if not row["ok"]]
+        checks.append({"check": f"{len(health)} GPU(s)", "ok": not bad,
+                       "finding": "; ".join(f"GPU {r['gpu']}: {r['finding']}" for r in bad) or "all healthy",
+                       "what to do": "" if not bad else "move the job off a GPU with ECC errors or throttling"})
+    else:
+        checks.append({"check": "GPUs", "ok": None, "finding": "no NVIDIA GPU visible (nothing to check)",
+                       "what to do": ""})
+    return checks, bandwidth, health
+
+
+# --------------------------------------------------------------------------- a hang, diagnosed
+
+
+def stalled_step(release: Path, limit_s: float) -> None:
+    """The stalled rank's loop: waits for a file that only the diagnosis writes (a stand-in for a
+    rank stuck reading data, or in an endless loop, while the others wait in the all-reduce)."""
+    ends = time.monotonic() + limit_s
+    while not release.exists() and time.monotonic() < ends:
+        time.sleep(0.05)
+
+
+def hang_demo(workdir: str, stall_rank: int = 1, limit_s: float = 60.0) -> dict:
+    """Run inside `distributed.launch`: every rank writes its PID, arms faulthandler on SIGUSR2
+    (its stacks to `<workdir>/stack<rank>.txt`), then rank `stall_rank` loops in `stalled_step`
+    while the others wait in an all-reduce; all finish once `<workdir>/release` exists."""
+    info = du.info()
+    folder = Path(workdir)
+    stacks = open(folder / f"stack{info.rank}.txt", "w")  # noqa: SIM115 (open while the signal may come)
+    faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
+    (folder / f"pid{info.rank}").write_text(str(os.getpid()))
+    if info.rank == stall_rank:
+        stalled_step(folder / "release", limit_s)
+    total = du.all_reduce_sum(torch.ones(1))  # gloo, host memory: the demo needs no GPU
+    faulthandler.unregister(signal.SIGUSR2)
+    stacks.close()
+    return {"all-reduce": float(total)}
+
+
+def py_spy() -> str | None:
+    """The py-spy next to this Python, else on PATH, else None."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def dump_stack(pid: int, stack_file: Path | None = None, tool: str | None = None) -> tuple[str, str]:
+    """(tool, text): `py-spy dump --pid PID` where py-spy is installed (and `tool` is not
+    "faulthandler"), else SIGUSR2 to a process whose faulthandler writes to `stack_file`."""
+    spy = py_spy() if tool in (None, "py-spy") else None
+    if spy:
+        env = {**os.environ, "NO_COLOR": "1", "TERM": "dumb"}
+        done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30, env=env)
+        if done.returncode == 0:
+            return "py-spy", _ANSI.sub("", done.stdout)  # its colours, where it adds them anyway
+    if stack_file is None:
+        return "none", ""
+    os.kill(pid, signal.SIGUSR2)
+    for _ in range(40):
+        time.sleep(0.05)
+        if stack_file.exists() and stack_file.stat().st_size:
+            break
+    return "faulthandler", stack_file.read_text(errors="replace")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_FRAME_PATTERNS = (re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)'),  # faulthandler
+                   re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^:()]+):(?P<line>\d+)\)"))  # py-spy
+
+
+def main_frames(text: str) -> list[tuple[str, str, int]]:
+    """(function, file, line) of a dump's main thread (the one in `distributed.launch`'s worker, or
+    the first thread), innermost first; both py-spy's and faulthandler's formats."""
+    blocks = [block for block in re.split(r"\n\s*\n|\n(?=(?:Current )?[Tt]hread )", text) if block.strip()]
+    chosen = next((b for b in blocks if "_worker" in b), None) or next((b for b in blocks if "MainThread" in b), "")
+    chosen = chosen or (blocks[0] if blocks else "")
+    frames = []
+    for line in chosen.splitlines():
+        for pattern in _FRAME_PATTERNS:
+            match = pattern.search(line)
+            if match:
+                frames.append((match["func"], match["file"], int(match["line"])))
+                break
+    return frames
+
+
+def _in_torch(file: str, under: str = "") -> bool:
+    """Whether a frame's file is torch's (py-spy shows paths relative to site-packages)."""
+    return re.search(rf"(^|/)torch/{under}", file) is not None
+
+
+def _stdlib(file: str) -> bool:
+    return file.startswith(("<", "multiprocessing/", "threading.py", "concurrent/")) or (
+        "/lib/python" in file and "site-packages" not in file)
+
+
+def classify_stack(text: str) -> dict:
+    """Whether a rank's stack waits in a collective (a frame in torch.distributed) or is stuck
+    elsewhere, and where: the innermost frame outside torch, the standard library and `launch`."""
+    frames = main_frames(_ANSI.sub("", text))
+    waiting = any(_in_torch(file, "distributed/") for _, file, _ in frames)
+    collective = next((func for func, file, _ in frames if _in_torch(file, "distributed/") and func not in
+                       ("wrapper", "_fn", "inner")), None)
+    own = [(func, file, line) for func, file, line in frames if not _in_torch(file) and not _stdlib(file)
+           and not file.endswith("maskrcnn_tut/distributed.py")]
+    where = own[0] if own else (frames[0] if frames else ("?", "?", 0))
+    return {"waiting in a collective": waiting, "collective": collective, "function": where[0],
+            "file": Path(where[1]).name, "line": where[2], "frames": len(frames)}
+
+
+def diagnose_hang(nprocs: int = 2, stall_rank: int = 1, after_s: float = 2.0, tool: str | None = None,
+                  backend: str = "gloo") -> dict:
+    """Reproduce a hang and read every rank's stack from outside while it hangs: `hang_demo` in
+    `nprocs` processes (one stalls), each rank dumped `after_s` seconds after all have started,
+    then released so the group ends cleanly. Returns the tool used ("py-spy" or "faulthandler"),
+    each rank's dump and `classify_stack` of it."""
+    workdir = Path(tempfile.mkdtemp(prefix="maskrcnn_tut-hang-"))
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = du.launch(hang_demo, nprocs, str(workdir), stall_rank, 60.0, backend=backend,
+                                          timeout_s=90)
+        except Exception as err:  # reported below, after the release
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name="hang-demo", daemon=True)
+    thread.start()
+    try:
+        ends = time.monotonic() + 60
+        while not all((workdir / f"pid{r}").exists() for r in range(nprocs)):
+            if time.monotonic() > ends or not thread.is_alive():
+                raise RuntimeError(f"the hang demo's processes did not start: {outcome.get('error')}")
+            time.sleep(0.05)
+        time.sleep(after_s)
+        ranks = []
+        for rank in range(nprocs):
+            pid = int((workdir / f"pid{rank}").read_text())
+            used, text = dump_stack(pid, workdir / f"stack{rank}.txt", tool)
+            ranks.append({"rank": rank, "pid": pid, "tool": used, "dump": text, **classify_stack(text)})
+    finally:
+        (workdir / "release").write_text("go")
+        thread.join(timeout=120)
+        shutil.rmtree(workdir, ignore_errors=True)
+    if "error" in outcome:
+        raise outcome["error"]
+    return {"tool": ranks[0]["tool"], "ranks": ranks, "stall_rank": stall_rank, "result": outcome.get("result")}
+
+
+def hang_summary(diagnosis: dict) -> list[str]:
+    """One line per rank of `diagnose_hang`'s result: which one stalls (look there) and which wait."""
+    lines = []
+    for rank in diagnosis["ranks"]:
+        if rank["waiting in a collective"]:
+            lines.append(f"rank {rank['rank']}: waits in {rank['collective']} (called from {rank['function']} in "
+                         f"{rank['file']}): a victim, waiting for a rank that has not arrived")
+        else:
+            lines.append(f"rank {rank['rank']}: in {rank['function']} ({rank['file']}), in no collective: the rank "
+                         "that holds everyone up; look here")
+    return lines

@@ -1,0 +1,283 @@
+"""Where one training step's memory goes over time, and which input shapes its layers meet.
+
+- `memory_timeline(cfg, batch_size, accum_steps, amp_dtype)`: one real `engine.train_step` of the
+  config's Mask R-CNN on the CPU, on `memory.synthetic_batch` images, with autograd's saved-tensor
+  hooks (what `memory.breakdown` counts) and per-parameter gradient hooks installed: the MiB that
+  autograd holds for backward at every moment (each storage counted once, parameters left out;
+  released when backward has used its last reference), the MiB of gradients, and the constant
+  parameters and optimizer state. The peak and the part of the model it fell in come with it.
+  With K micro-batches the saved tensors rise and fall K times while the gradients stay.
+- `cuda_memory_timeline(cfg, batch_size, path)`: on a GPU, the allocator's own record of the step
+  (`torch.cuda.memory._record_memory_history`), saved as a snapshot for pytorch.org/memory_viz.
+- `plot_memory_timelines(timelines)`: the timelines side by side, stacked, with each peak marked.
+- `batch_shapes(cfg)`: the padded batch shapes one epoch gives the backbone (the transform only).
+- `shape_census(cfg, steps)`: the distinct input shapes the backbone and the mask head meet over
+  real training steps (forward pre-hooks): cudnn.benchmark autotunes once per new shape (ch. 6).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .bench import multiscale_sizes  # (before .memory, whose import of bench would otherwise go in a circle)
+from .config import Config, derive
+from .data.loader import batch_stream, build_datasets, build_train_loader
+from .engine import TrainState, build_optimizer, make_scaler, train_step
+from .memory import synthetic_batch
+from .model import build_model
+
+MIB = 2**20
+#: Parts of torchvision's Mask R-CNN, in forward order, that name where the saved tensors come from.
+PARTS = (("transform", "transform"), ("backbone.body", "backbone"), ("backbone.fpn", "FPN"), ("rpn", "RPN"),
+         ("roi_heads.box_head", "box head"), ("roi_heads.box_predictor", "box head"),
+         ("roi_heads.mask_head", "mask head"), ("roi_heads.mask_predictor", "mask head"))
+
+
+@dataclass
+class MemoryTimeline:
+    """One step's memory over time (MiB); `points`: (ms since the step began, saved, gradients, part)."""
+
+    label: str
+    batch_size: int
+    accum_steps: int
+    precision: str
+    parameters_mb: float
+    optimizer_mb: float
+    points: list[tuple[float, float, float, str]] = field(default_factory=list)
+
+    def total(self, point) -> float:
+        return self.parameters_mb + self.optimizer_mb + point[1] + point[2]
+
+    @property
+    def peak(self) -> tuple[float, float, float, str]:
+        return max(self.points, key=self.total)
+
+    @property
+    def peak_mb(self) -> float:
+        return self.total(self.peak)
+
+    @property
+    def peak_saved_mb(self) -> float:
+        return max(p[1] for p in self.points)
+
+    def row(self) -> dict:
+        t, saved, grads, part = self.peak
+        return {"step": self.label, "peak MiB": round(self.peak_mb), "saved for backward at the peak MiB": round(saved),
+                "gradients at the peak MiB": round(grads), "largest saved MiB": round(self.peak_saved_mb),
+                "parameters MiB": round(self.parameters_mb), "optimizer state MiB": round(self.optimizer_mb),
+                "peak falls in": part}
+
+
+def memory_timeline(cfg: Config, batch_size: int, accum_steps: int = 1, amp_dtype: str | None = None,
+                    image_size: int | None = None, label: str = "") -> MemoryTimeline:
+    """The timeline of one optimizer step (module doc), in this process, on the CPU."""
+    device = torch.device("cpu")
+    size = image_size or cfg.min_size
+    cfg = derive(dataclasses.replace(cfg, batch_size=batch_size, accum_steps=accum_steps, amp=amp_dtype is not None,
+                                     amp_dtype=amp_dtype, min_size=size, max_size=size, pin_memory=False), 1, device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, num_classes=4).train()
+    optimizer = build_optimizer(model, cfg)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:  # one step on zero gradients creates the optimizer state (AdamW: two moments)
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer_mb = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                       if torch.is_tensor(t)) / MIB
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    timeline = MemoryTimeline(label or f"batch {batch_size} x accum {accum_steps}, {cfg.precision}", batch_size,
+                              accum_steps, cfg.precision, sum(p.numel() * p.element_size() for p in model.parameters()) / MIB,
+                              optimizer_mb)
+    state = {"saved": 0, "grads": 0, "part": "start", "packs": {}, "unpacks": {}, "sizes": {}, "with_grad": set()}
+    start = time.perf_counter()
+
+    def record() -> None:
+        timeline.points.append((1000 * (time.perf_counter() - start), state["saved"] / MIB, state["grads"] / MIB,
+                                state["part"]))
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in parameters:
+            return tensor
+        if state["packs"].get(key, 0) == state["unpacks"].get(key, 0):  # not held yet (or released again)
+            state["sizes"][key] = storage.nbytes()
+            state["saved"] += storage.nbytes()
+            record()
+        state["packs"][key] = state["packs"].get(key, 0) + 1
+        return key, tensor
+
+    def unpack(packed):
+        if not isinstance(packed, tuple):
+            return packed
+        key, tensor = packed
+        state["unpacks"][key] = state["unpacks"].get(key, 0) + 1
+        if state["unpacks"][key] == state["packs"][key]:  # backward has used its last reference
+            state["saved"] -= state["sizes"][key]
+            state["part"] = "backward"
+            record()
+        return tensor
+
+    def gradient_made(param) -> None:
+        if id(param) not in state["with_grad"]:
+            state["with_grad"].add(id(param))
+            state["grads"] += param.numel() * param.element_size()
+            state["part"] = "backward"
+            record()
+
+    def entering(name):
+        def hook(*_):
+            state["part"] = name
+        return hook
+
+    modules = dict(model.named_modules())
+    handles = [modules[path].register_forward_pre_hook(entering(name)) for path, name in PARTS if path in modules]
+    handles += [p.register_post_accumulate_grad_hook(gradient_made) for p in trainable]
+    batches = itertools.repeat(synthetic_batch(size, batch_size))
+
+    def micro_batches():
+        for micro in itertools.count():
+            # what backward did not use (branches that do not reach the loss) is freed with the graph
+            state["saved"], state["packs"], state["unpacks"] = 0, {}, {}
+            state["part"] = "data" if micro == 0 else "next micro-batch"
+            record()
+            yield next(batches)
+
+    optimizer.zero_grad(set_to_none=True)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            train_step(model, optimizer, make_scaler(cfg, device), micro_batches(), cfg, device, TrainState(), [])
+    finally:
+        for handle in handles:
+            handle.remove()
+    state["part"], state["saved"] = "optimizer step", 0
+    record()
+    return timeline
+
+
+def plot_memory_timelines(timelines: list[MemoryTimeline], title: str, hardware: str):
+    """Stacked areas (parameters, optimizer state, gradients, saved for backward) of each timeline."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(timelines), figsize=(4.2 * len(timelines), 3.6), sharey=True, squeeze=False)
+    for ax, timeline in zip(axes[0], timelines):
+        ts = [p[0] for p in timeline.points]
+        layers = [[timeline.parameters_mb] * len(ts), [timeline.optimizer_mb] * len(ts), [p[2] for p in timeline.points],
+                  [p[1] for p in timeline.points]]
+        ax.stackplot(ts, *layers, step="post", labels=["parameters", "optimizer state", "gradients",
+                                                         "saved for backward"],
+                     colors=["#bdbdbd", "#9e9ac8", "#fd8d3c", "#6baed6"])
+        peak = timeline.peak
+        ax.axhline(timeline.peak_mb, color="black", lw=0.8, ls="--")
+        ax.annotate(f"peak {timeline.peak_mb:.0f} MiB\n({peak[3]})", (peak[0], timeline.peak_mb), fontsize=7,
+                    xytext=(0.5, 0.97), textcoords="axes fraction", ha="center", va="top",
+                    arrowprops=dict(arrowstyle="->", lw=0.7))
+        ax.set(title=timeline.label, xlabel="ms into the step")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("MiB held")
+    axes[0, 0].legend(fontsize=7, loc="center left")
+    fig.suptitle(f"{title}\n{hardware}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def cuda_memory_timeline(cfg: Config, batch_size: int, path: Path | str,
+                         steps: int = 2) -> tuple[list[tuple[float, float]], str]:
+    """On a GPU: a warm-up step, then `steps - 1` training steps on a synthetic batch with the allocator's
+    history on, saved as a snapshot to `path` (drag it into pytorch.org/memory_viz). Returns the
+    allocated MiB after each allocator event as (x, MiB), and what x is ("ms" where the snapshot
+    times its events, else "allocator event")."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    cfg = derive(dataclasses.replace(cfg, batch_size=batch_size), 1, device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, num_classes=4).to(device).train()
+    optimizer, scaler = build_optimizer(model, cfg), make_scaler(cfg, device)
+    batches, state, names = itertools.repeat(synthetic_batch(cfg.min_size, batch_size)), TrainState(), []
+    train_step(model, optimizer, scaler, batches, cfg, device, state, names)  # optimizer state, cuDNN plans
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        for _ in range(steps - 1):
+            train_step(model, optimizer, scaler, batches, cfg, device, state, names)
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    import pickle
+    Path(path).write_bytes(pickle.dumps(snapshot))
+    events = [e for e in snapshot["device_traces"][device.index] if e["action"] in ("alloc", "free_completed")]
+    timed = bool(events) and all("time_us" in e for e in events)
+    points, held = [], base
+    for k, e in enumerate(events):
+        held += e["size"] if e["action"] == "alloc" else -e["size"]
+        points.append((e["time_us"] / 1000 if timed else float(k), held / MIB))
+    origin = points[0][0] if points else 0.0
+    return [(x - origin, mb) for x, mb in points], "ms" if timed else "allocator event"
+
+
+def batch_shapes(cfg: Config, multiscale: bool = False) -> dict:
+    """One epoch of the config's loader through the model's own transform (resize, then pad the batch
+    to its largest image, rounded up to 32; no training): the input shapes the backbone would meet."""
+    cfg = derive(dataclasses.replace(cfg, workers=0), 1, "cpu")
+    train_set, _ = build_datasets(cfg)
+    loader = build_train_loader(train_set, cfg, 0, 1)
+    model = build_model(cfg, train_set.num_classes).train()
+    if multiscale:
+        model.transform.min_size = multiscale_sizes(cfg.min_size)
+    shapes = []
+    with torch.no_grad():
+        for images, targets in loader:
+            batch, _ = model.transform([image.float() / 255 for image in images], [dict(t) for t in targets])
+            shapes.append(tuple(batch.tensors.shape[-2:]))
+    return {"batches": len(shapes), "distinct": len(set(shapes)), "shapes": sorted(set(shapes))}
+
+
+def shape_census(cfg: Config, steps: int = 12, **overrides) -> dict:
+    """Real training steps (one process, this device) of the config's model on the book's data, with
+    forward pre-hooks on the backbone and the mask head: their input shapes, step by step."""
+    cfg = derive(dataclasses.replace(cfg, workers=0, **overrides), 1, "cpu")
+    train_set, _ = build_datasets(cfg)
+    loader = build_train_loader(train_set, cfg, 0, 1)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, train_set.num_classes).train()
+    seen: dict[str, list[tuple]] = {"backbone": [], "mask head": []}
+    hooks = [model.backbone.register_forward_pre_hook(lambda _, args: seen["backbone"].append(tuple(args[0].shape))),
+             model.roi_heads.mask_head.register_forward_pre_hook(
+                 lambda _, args: seen["mask head"].append(tuple(args[0].shape)))]
+    optimizer, scaler, state, names = build_optimizer(model, cfg), make_scaler(cfg, torch.device("cpu")), TrainState(), []
+    batches = batch_stream(loader, state)
+    try:
+        for _ in range(steps):
+            train_step(model, optimizer, scaler, batches, cfg, torch.device("cpu"), state, names)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {part: {"shapes": shapes, "distinct": len(set(shapes)), "steps": steps} for part, shapes in seen.items()}
+
+
+def accumulation_plan(cfg: Config, gpu_memory_gb: float, accum_steps: tuple[int, ...] = (1, 4),
+                      headroom: float = 0.8) -> tuple[tuple[int, ...], str]:
+    """The accumulation factors whose large-batch twin (K x batch_size images in one batch) should fit
+    in `headroom` of a `gpu_memory_gb` card: `memory.breakdown` counts one image's activations on this
+    GPU, the batch scales them. Returns the factors kept and a sentence on any dropped."""
+    from .memory import breakdown
+    one = breakdown(cfg, cfg.min_size, 1, torch.device("cuda", torch.cuda.current_device()))
+    card = headroom * gpu_memory_gb * 1024
+
+    def need(k: int) -> float:
+        return one.parameters_mb + one.gradients_mb + one.optimizer_mb + k * cfg.batch_size * one.activations_mb
+
+    kept = tuple(k for k in accum_steps if k == 1 or need(k) < card)
+    dropped = [k for k in accum_steps if k not in kept]
+    if not dropped:
+        return kept, ""
+    return kept, (f"Left out: one batch of {' or '.join(str(k * cfg.batch_size) for k in dropped)} images at "
+                  f"{cfg.min_size} px would need about {need(max(dropped)) / 1024:.0f} GB (counted from one image's "
+                  f"activations here), more than {headroom:.0%} of this {gpu_memory_gb:.0f} GB GPU; accumulation "
+                  "reaches that batch without holding it.")

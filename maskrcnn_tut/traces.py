@@ -1,0 +1,331 @@
+"""Where one training step's time goes, in DDP: a `torch.profiler` trace of `engine.train_step`.
+
+`ddp_trace()` runs `engine.train_step` in fresh CPU processes (`distributed.launch`, gloo), each
+bound to one core with one thread as in the speed table, at the table's batch
+(`bench.CPU_TABLE_BATCH`): first one process alone (the table's baseline, the other core idle),
+then 2 processes under DDP with the preset's buckets, then with 25 MB buckets. Each phase
+warms up, then profiles `steps` whole `train_step`s. `step_phases` reads every profiled step of
+every rank from the trace events: data wait, forward, backward, the gradient buckets' all-reduces
+(gloo's own threads) and how much of them ran during backward, the wait for the other rank, the
+optimizer. The two ranks share one clock, so a bucket's all-reduce is split into waiting for the
+later rank and the transfer itself. `plot_trace` draws one step of each rank; `save_trace` writes
+both ranks into one Chrome-trace file (ui.perfetto.dev or chrome://tracing open it).
+
+The memory timeline of a step and the shape census live in `maskrcnn_tut.timeline`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from . import bench
+from . import distributed as du
+from .bench import predict
+from .config import Config, derive
+from .data.loader import batch_stream, build_datasets, build_train_loader
+from .engine import TrainState, build_optimizer, configure_runtime, make_scaler, train_step
+from .hardware import hardware_label
+from .model import build_model
+
+#: Bucket cap of the last phase: DDP's default, several buckets for this model, so overlap can show.
+SMALL_BUCKET_MB = 25.0
+PHASES = ("single", "ddp", "ddp_small_buckets")
+STEP, FORWARD, DATA = "train_step", "forward", "data: next batch"
+COMM_PREFIXES = ("gloo:", "nccl:")
+
+
+class Labelled(nn.Module):
+    """The model with its forward under a profiler label (inside DDP's own `DistributedDataParallel.forward`,
+    which also holds the buffer broadcast); no state of its own: `.module` is the model."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        with record_function(FORWARD):
+            return self.module(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 (the profiler's C++ library reports the missing GPU there on a CPU-only
+    machine); Python's own errors in a launched worker travel through `sys.stderr`, which is not it."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _labelled_batches(stream):
+    while True:
+        with record_function(DATA):
+            batch = next(stream)
+        yield batch
+
+
+def _profiled_steps(model, cfg: Config, loader, steps: int, warmup: int, path: Path) -> None:
+    """`warmup` steps, then `steps` profiled `train_step`s, exported as a Chrome trace to `path`."""
+    device = du.info().device
+    optimizer = build_optimizer(model, cfg)
+    scaler, state, names = make_scaler(cfg, device), TrainState(), []
+    batches = _labelled_batches(batch_stream(loader, state))
+    model.train()
+    for _ in range(warmup):
+        train_step(model, optimizer, scaler, batches, cfg, device, state, names)
+    with _quiet_stderr():
+        prof = profile(activities=[ProfilerActivity.CPU])
+        prof.start()
+    for _ in range(steps):
+        with record_function(STEP):
+            train_step(model, optimizer, scaler, batches, cfg, device, state, names)
+    with _quiet_stderr():
+        prof.stop()
+        prof.export_chrome_trace(str(path))
+
+
+def trace_worker(cfg: Config, steps: int, warmup: int, folder: str) -> None:
+    """Run inside `distributed.launch`: alone (1 process), the "single" phase; in 2 processes the two
+    DDP phases of the module doc. Each rank's trace of each phase goes to `folder/{phase}.{rank}.json`."""
+    info = du.info()
+    bench.pin_cores(1)
+    torch.set_num_threads(1)
+    device = info.device
+    train_set, _ = build_datasets(cfg)
+    for phase in PHASES[:1] if info.world_size == 1 else PHASES[1:]:
+        run_cfg = derive(dataclasses.replace(cfg, bucket_cap_mb=SMALL_BUCKET_MB) if phase == "ddp_small_buckets"
+                         else cfg, info.world_size, device)
+        configure_runtime(run_cfg, device)
+        # the single process reads what rank 0 of the pair reads: the same images per step
+        loader = build_train_loader(train_set, run_cfg, info.rank, 2)
+        du.seed_everything(cfg.seed)
+        model = du.wrap_ddp(Labelled(build_model(run_cfg, train_set.num_classes).to(device)), run_cfg, info)
+        _profiled_steps(model, run_cfg, loader, steps, warmup, Path(folder) / f"{phase}.{info.rank}.json")
+        du.barrier()
+
+
+def bucket_sizes_mb(model: nn.Module, cap_mb: float) -> list[float]:
+    """The gradient buckets (MiB) DDP forms at `bucket_cap_mb`, from torch's own assignment (parameters
+    in reverse order, as the first backward produces them; a bucket closes once it reaches the cap)."""
+    import torch.distributed as dist
+    params = [p for p in model.parameters() if p.requires_grad][::-1]
+    buckets = dist._compute_bucket_assignment_by_size(params, [int(cap_mb * 2**20)], [False] * len(params))[0]
+    return [sum(params[i].numel() * params[i].element_size() for i in bucket) / 2**20 for bucket in buckets]
+
+
+def gradient_report(presets: tuple[str, ...] = ("cpu-tiny", "gpu-r50"), ranks: tuple[int, ...] = (2, 8)) -> list[dict]:
+    """Per preset (its model built here, on the CPU, with the shapes dataset's 4 classes): gradient MiB,
+    DDP's buckets at the preset's cap, and what a ring all-reduce sends per rank, 2(N-1)/N of it."""
+    from .config import make_config
+    rows = []
+    for preset in presets:
+        cfg = make_config(preset)
+        model = build_model(cfg, 4)
+        mb, buckets = predict.gradient_bytes(model) / 2**20, bucket_sizes_mb(model, cfg.bucket_cap_mb)
+        row = {"preset": preset, "model": f"{cfg.backbone}-FPN",
+               "parameters (M)": sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6,
+               "gradients MiB": mb, "bucket cap MB": cfg.bucket_cap_mb, "buckets": len(buckets)}
+        row.update({f"sent per rank, N={n} (MiB)": predict.ring_allreduce_bytes(mb, n) for n in ranks})
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- reading a trace
+
+
+def _intervals(events, test) -> list[tuple[float, float]]:
+    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events if test(e))
+
+
+def _overlap(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
+
+
+def step_phases(events: list[dict]) -> list[dict]:
+    """Per profiled step of one rank's trace events (Chrome "X" events, microseconds): the
+    milliseconds of each part of the step and the spans (µs) of its gradient all-reduces."""
+    events = [e for e in events if e.get("ph") == "X"]
+    steps = _intervals(events, lambda e: e["name"] == STEP)
+    main = next(e["tid"] for e in events if e["name"] == STEP)
+    rows = []
+    for start, end in steps:
+        inside = [e for e in events if start <= e["ts"] < end]
+        on_main = [e for e in inside if e["tid"] == main]
+        backward = _intervals(on_main, lambda e: e["name"].startswith("autograd::engine::evaluate_function"))
+        b_start, b_end = backward[0][0], max(b for _, b in backward)
+        launches = _intervals(on_main, lambda e: e["name"] == "c10d::allreduce_")
+        n_grad = sum(b_start <= a <= b_end for a, _ in launches)  # buckets are launched from backward
+        # gloo runs each collective on a thread of its own, in the order they were launched
+        grad = _intervals(inside, lambda e: e["tid"] != main and e["name"].startswith(COMM_PREFIXES)
+                          and "all_reduce" in e["name"])[:n_grad]
+        ms = lambda us: us / 1000  # noqa: E731
+        rows.append({
+            "step ms": ms(end - start),
+            "data ms": ms(sum(b - a for a, b in _intervals(on_main, lambda e: e["name"] == DATA))),
+            "forward ms": ms(sum(b - a for a, b in _intervals(on_main, lambda e: e["name"] == FORWARD))),
+            "backward ms": ms(b_end - b_start),
+            "optimizer ms": ms(sum(b - a for a, b in _intervals(on_main, lambda e: e["name"].startswith("Optimizer.step")))),
+            "buffer broadcasts": sum(1 for e in on_main if e["name"] == "c10d::broadcast_"),
+            "gradient all-reduces": len(grad),
+            "all-reduce ms": ms(sum(b - a for a, b in grad)),
+            "all-reduce during backward ms": ms(_overlap(grad, b_start, b_end)),
+            "grad spans": grad, "backward span": (b_start, b_end), "step span": (start, end),
+        })
+        row = rows[-1]
+        row["own work ms"] = row["data ms"] + row["forward ms"] + row["backward ms"] + row["optimizer ms"]
+        row["waiting ms"] = row["step ms"] - row["own work ms"]  # for gradients, for the peer, buffer broadcasts
+    return rows
+
+
+@dataclass
+class DDPTrace:
+    """What `ddp_trace` measured: per phase, per rank, per step (see `step_phases`)."""
+
+    steps: dict[str, list[list[dict]]]  # phase -> [rank][step] -> row
+    bucket_mb: dict[str, list[float]]
+    bucket_cap_mb: float
+    batch_size: int
+    events: dict[str, list[list[dict]]] = field(repr=False, default_factory=dict)  # phase -> [rank] -> events
+    hardware: str = ""
+
+    def rows(self, phase: str) -> list[dict]:
+        return [row for rank in self.steps[phase] for row in rank]
+
+    def spread(self, phase: str, key: str) -> tuple[float, float, float]:
+        """(median, min, max) of `key` over every profiled step of every rank of `phase`."""
+        values = [row[key] for row in self.rows(phase)]
+        return statistics.median(values), min(values), max(values)
+
+    def transfer_and_wait(self, phase: str = "ddp") -> list[tuple[float, float]]:
+        """Per rank and step, (transfer ms, wait ms) of the last gradient bucket: the ranks share a clock,
+        so the transfer runs from the later rank's start to the end; the earlier rank waits before it."""
+        out = []
+        for k in range(len(self.steps[phase][0])):
+            last = [rank[k]["grad spans"][-1] for rank in self.steps[phase]]
+            begins = max(a for a, _ in last)
+            out += [((end - begins) / 1000, (begins - start) / 1000) for start, end in last]
+        return out
+
+    def summary(self) -> dict:
+        """The step's budget, as (median, min, max) over ranks and steps: each rank's own work alone and
+        under DDP (data, forward, backward, optimizer), the last bucket's transfer and the wait for the
+        other rank before it, the step; `slower_under_ddp` is None when the ranges overlap (too noisy)."""
+        pairs = self.transfer_and_wait()
+        spread = lambda values: (statistics.median(values), min(values), max(values))  # noqa: E731
+        alone, shared = self.spread("single", "own work ms"), self.spread("ddp", "own work ms")
+        return {"own work alone": alone, "own work under DDP": shared,
+                "slower_under_ddp": True if shared[1] > alone[2] else False if shared[2] < alone[1] else None,
+                "transfer": spread([t for t, _ in pairs]), "wait for the other rank": spread([w for _, w in pairs]),
+                "step alone": self.spread("single", "step ms"), "step under DDP": self.spread("ddp", "step ms"),
+                "all-reduces per step": self.rows("ddp")[0]["gradient all-reduces"],
+                "all-reduces per step, small buckets": self.rows("ddp_small_buckets")[0]["gradient all-reduces"],
+                "during backward, small buckets": self.spread("ddp_small_buckets", "all-reduce during backward ms"),
+                "during backward": self.spread("ddp", "all-reduce during backward ms"),
+                "buffer broadcasts per step": self.spread("ddp", "buffer broadcasts")[0]}
+
+    def table(self) -> list[dict]:
+        """One row per phase: medians with min-max over ranks and steps."""
+        keys = ["step ms", "data ms", "forward ms", "backward ms", "optimizer ms", "waiting ms", "all-reduce ms",
+                "all-reduce during backward ms"]
+        names = {"single": "1 process alone (baseline)", "ddp": f"DDP(2), {self.bucket_cap_mb:g} MB buckets (preset)",
+                 "ddp_small_buckets": f"DDP(2), {SMALL_BUCKET_MB:g} MB buckets"}
+        table = []
+        for phase in PHASES:
+            row = {"run": names[phase], "buckets": len(self.bucket_mb.get(phase, [])) or None}
+            for key in keys:
+                median, low, high = self.spread(phase, key)
+                row[key] = f"{median:.0f} ({low:.0f}-{high:.0f})" if high > 0 else "0"
+            table.append(row)
+        return table
+
+
+def ddp_trace(preset: str = "cpu-tiny", steps: int = 2, warmup: int = 1, batch_size: int | None = None,
+              **overrides) -> DDPTrace:
+    """Profile the phases of the module doc in 2 fresh CPU processes (GPUs hidden from them)."""
+    batch_size = batch_size or bench.CPU_TABLE_BATCH
+    cfg = bench.bench_config(preset, batches_per_step=2, batch_size=batch_size, workers=0, **overrides)
+    with tempfile.TemporaryDirectory() as folder, \
+            bench.environment(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
+        du.launch(trace_worker, 1, cfg, steps, warmup, folder, backend="gloo")
+        du.launch(trace_worker, 2, cfg, steps, warmup, folder, backend="gloo")
+        events = {phase: [json.loads(path.read_text())["traceEvents"]
+                          for path in sorted(Path(folder).glob(f"{phase}.*.json"))] for phase in PHASES}
+    return DDPTrace(steps={phase: [step_phases(ev) for ev in events[phase]] for phase in PHASES},
+                    bucket_mb={phase: bucket_sizes_mb(build_model(cfg, 4), cap)
+                               for phase, cap in (("ddp", cfg.bucket_cap_mb), ("ddp_small_buckets", SMALL_BUCKET_MB))},
+                    bucket_cap_mb=cfg.bucket_cap_mb, batch_size=batch_size, events=events,
+                    hardware=hardware_label())
+
+
+def save_trace(trace: DDPTrace, path: Path | str, phase: str = "ddp") -> Path:
+    """Both ranks' events of `phase` in one gzipped Chrome-trace file (one process row per rank)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    merged = []
+    for rank, events in enumerate(trace.events[phase]):
+        pids = {e.get("pid") for e in events}
+        merged += [{**e, "pid": f"rank {rank}"} if e.get("pid") in pids else e for e in events]
+    with gzip.open(path, "wt") as out:
+        json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, out)
+    return path
+
+
+def plot_trace(trace: DDPTrace, phases: tuple[str, ...] = ("ddp", "ddp_small_buckets")):
+    """The last profiled step of each rank, one lane per rank and thread kind, for each phase."""
+    import matplotlib.pyplot as plt
+    colors = {"data": "tab:orange", "forward": "tab:blue", "backward": "tab:green", "optimizer": "tab:purple",
+              "waiting for gradients": "lightgray", "all-reduce": "tab:red"}
+    fig, axes = plt.subplots(len(phases), 1, figsize=(10, 1.9 * len(phases) + 0.6), squeeze=False)
+    for ax, phase in zip(axes[:, 0], phases):
+        origin = min(rank[-1]["step span"][0] for rank in trace.steps[phase])
+        for r, (rank_steps, events) in enumerate(zip(trace.steps[phase], trace.events[phase])):
+            row = rank_steps[-1]
+            lo, hi = row["step span"]
+            main = next(e["tid"] for e in events if e.get("name") == STEP)
+            lanes = {"data": [], "forward": [], "optimizer": []}
+            for e in events:
+                if e.get("ph") == "X" and e["tid"] == main and lo <= e["ts"] < hi:
+                    kind = {DATA: "data", FORWARD: "forward"}.get(e["name"]) or (
+                        "optimizer" if e["name"].startswith("Optimizer.step") else None)
+                    if kind:
+                        lanes[kind].append((e["ts"], e["dur"]))
+            lanes["backward"] = [(row["backward span"][0], row["backward span"][1] - row["backward span"][0])]
+            b_end, g_end = row["backward span"][1], max((b for _, b in row["grad spans"]), default=0.0)
+            lanes["waiting for gradients"] = [(b_end, g_end - b_end)] if g_end > b_end else []
+            casts = [(e["ts"], e["dur"]) for e in events if e.get("ph") == "X" and e["tid"] != main
+                     and lo <= e["ts"] < hi and e["name"].endswith(":broadcast")]
+            y = 2 * (len(trace.steps[phase]) - 1 - r)
+            for kind, spans in lanes.items():
+                ax.broken_barh([((a - origin) / 1000, d / 1000) for a, d in spans], (y + 1, 0.8),
+                               color=colors[kind], label=kind if r == 0 else None)
+            ax.broken_barh([((a - origin) / 1000, (b - a) / 1000) for a, b in row["grad spans"]], (y, 0.8),
+                           color=colors["all-reduce"], label="gradient all-reduce (gloo thread)" if r == 0 else None)
+            ax.broken_barh([((a - origin) / 1000, d / 1000) for a, d in casts], (y, 0.8), color="black",
+                           label="buffer broadcast (gloo thread)" if r == 0 else None)
+            ax.text(-5, y + 0.9, f"rank {r}", ha="right", va="center", fontsize=8)
+        buckets = len(trace.bucket_mb.get(phase, []))
+        cap = trace.bucket_cap_mb if phase == "ddp" else SMALL_BUCKET_MB
+        ax.set(title=f"DDP(2), {cap:g} MB buckets ({buckets} bucket{'s' * (buckets != 1)}): one profiled step",
+               xlabel="milliseconds from the first rank's step start", yticks=[])
+        ax.grid(alpha=0.3, axis="x")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, ncol=4, loc="lower center")
+    fig.suptitle(f"One train_step per rank (torch.profiler), batch {trace.batch_size} per process, one core each\n"
+                 f"{trace.hardware}", fontsize=9)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    return fig
