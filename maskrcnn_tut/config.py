@@ -109,33 +109,27 @@ class Config:
         return dataclasses.asdict(self)
 
 
+#: Learns from scratch on the shapes dataset on 2 CPU cores in about 12 minutes: ResNet-18 with
+#: trainable BatchNorm, a 64-channel normalized FPN with thin heads and 16-256 px anchors at
+#: 128 px, light RPN/RoI sampling, AdamW 2e-3 for a global batch of 8 (2 processes x 4).
+#: 100 MB buckets: a process with one core cannot overlap gloo's all-reduce with backward, so
+#: fewer, larger all-reduces are faster (measured 6.0 against 5.6 img/s with 25 MB, 2 processes).
+CPU_TINY = dict(
+    backbone="resnet18", norm="bn", min_size=128, max_size=192,
+    fpn_channels=64, mask_head_layers=2, mask_head_channels=64, box_head_dim=256,
+    anchor_sizes="16,32,64,128,256",
+    rpn_pre_nms_top_n=200, rpn_post_nms_top_n=100,
+    rpn_batch_size_per_image=64, box_batch_size_per_image=64,
+    batch_size=4, max_steps=450, optimizer="adamw", lr=2e-3, weight_decay=1e-4,
+    warmup_steps=50, workers=1, bucket_cap_mb=100.0,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # Learns from scratch on the shapes dataset on 2 CPU cores in about 12 minutes: ResNet-18 with
-    # trainable BatchNorm, a 64-channel normalized FPN with thin heads and 16-256 px anchors at
-    # 128 px, light RPN/RoI sampling, AdamW 2e-3 for a global batch of 8 (2 processes x 4).
-    # 100 MB buckets: a process with one core cannot overlap gloo's all-reduce with backward, so
-    # fewer, larger all-reduces are faster (measured 6.0 against 5.6 img/s with 25 MB, 2 processes).
-    "cpu-tiny": dict(
-        backbone="resnet18", norm="bn", min_size=128, max_size=192,
-        fpn_channels=64, mask_head_layers=2, mask_head_channels=64, box_head_dim=256,
-        anchor_sizes="16,32,64,128,256",
-        rpn_pre_nms_top_n=200, rpn_post_nms_top_n=100,
-        rpn_batch_size_per_image=64, box_batch_size_per_image=64,
-        batch_size=4, max_steps=450, optimizer="adamw", lr=2e-3, weight_decay=1e-4,
-        warmup_steps=50, workers=1, bucket_cap_mb=100.0,
-    ),
+    "cpu-tiny": CPU_TINY,
     # Real photos on a CPU: cpu-tiny at 192/288 px instead of 128/192 (at 128 px a 640x480 COCO
     # photo becomes 170x128 and half its instances end under 9 px). Meant first for the overfit
-    # check (`--overfit 8 --max-steps 150`), which proves data, labels and pipeline in minutes.
-    "cpu-real": dict(
-        backbone="resnet18", norm="bn", min_size=192, max_size=288,
-        fpn_channels=64, mask_head_layers=2, mask_head_channels=64, box_head_dim=256,
-        anchor_sizes="16,32,64,128,256",
-        rpn_pre_nms_top_n=200, rpn_post_nms_top_n=100,
-        rpn_batch_size_per_image=64, box_batch_size_per_image=64,
-        batch_size=4, max_steps=450, optimizer="adamw", lr=2e-3, weight_decay=1e-4,
-        warmup_steps=50, workers=1, bucket_cap_mb=100.0,
-    ),
+    # check (`--overfit 8 --max-steps 200`), which proves data, labels and pipeline in minutes.
+    "cpu-real": CPU_TINY | dict(min_size=192, max_size=288),
     # Mask R-CNN R50-FPN as torchvision's detection reference trains it, where it can be:
     # its sizes and sampling, SGD momentum 0.9 with lr 0.02 per 16 images (its "0.02/8*$NGPU" at
     # 2 images per GPU, i.e. 0.01 for REFERENCE_BATCH = 8), weight decay 1e-4, 1000 warm-up steps,

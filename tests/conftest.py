@@ -26,6 +26,12 @@ def tiny_flags(shapes_root, tmp_path) -> list[str]:
             "--min-size", "96", "--max-size", "128", "--workers", "0", "--no-progress", "--print-freq", "1"]
 
 
+def run_flags(data: Path, out: Path, *extra: str) -> list[str]:
+    """train.py flags for a seconds-long run on a small dataset: 2 images per process at 96/128 px."""
+    return ["--data-path", str(data), "--output-dir", str(out), "--batch-size", "2", "--min-size", "96",
+            "--max-size", "128", "--workers", "0", "--no-progress", "--print-freq", "1", *extra]
+
+
 def subprocess_env() -> dict:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TRAIN_SCRIPT, subprocess_env
+from conftest import PYTHON, REPO, TRAIN_SCRIPT, run_flags, subprocess_env
 from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut.distributed import free_port
 from maskrcnn_tut.monitor import read_jsonl
@@ -25,11 +25,6 @@ def small_root(tmp_path_factory) -> Path:
     from maskrcnn_tut.data.shapes import ensure_shapes_dataset
 
     return ensure_shapes_dataset(16, 2, seed=0, root=tmp_path_factory.mktemp("data") / "small", progress=False)
-
-
-def _flags(root: Path, out: Path, *extra: str) -> list[str]:
-    return ["--data-path", str(root), "--output-dir", str(out), "--batch-size", "2", "--min-size", "96",
-            "--max-size", "128", "--workers", "0", "--no-progress", "--print-freq", "1", *extra]
 
 
 def _torchrun(flags: list[str], max_restarts: int = 0, script: list[str] = (str(TRAIN_SCRIPT),)) -> list[str]:
@@ -106,12 +101,12 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(small_root, tmp_
     # 6 steps cross an epoch boundary (4 steps an epoch); checkpoints at 2, 4, 6
     common = ("--max-steps", "6", "--checkpoint-every", "2", "--deterministic", "--resume", "auto")
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    proc = _start(_torchrun(_flags(small_root, reference, *common)), tmp_path / "reference.log")
+    proc = _start(_torchrun(run_flags(small_root, reference, *common)), tmp_path / "reference.log")
     _finish(proc, 300)
     assert proc.returncode == 0, (tmp_path / "reference.log").read_text()[-3000:]
 
     log = tmp_path / "interrupted.log"
-    proc = _start(_torchrun(_flags(small_root, interrupted, *common), max_restarts=2), log)
+    proc = _start(_torchrun(run_flags(small_root, interrupted, *common), max_restarts=2), log)
     _wait_for((interrupted / "checkpoints" / "step_0000002.pt").exists, proc, log)
     os.kill(_worker_pid(proc.pid, rank=1), signal.SIGKILL)
     _finish(proc, 300)
@@ -125,7 +120,7 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(small_root, tmp_
 def test_nonfinite_loss_on_one_rank_stops_both_and_keeps_the_last_good_checkpoint(small_root, tmp_path):
     """Rank 1's loss is NaN at steps 3 and 4: --skip-nonfinite 1 skips step 3, step 4 stops the run."""
     out, log = tmp_path / "run", tmp_path / "run.log"
-    flags = _flags(small_root, out, "--max-steps", "8", "--checkpoint-every", "2", "--skip-nonfinite", "1")
+    flags = run_flags(small_root, out, "--max-steps", "8", "--checkpoint-every", "2", "--skip-nonfinite", "1")
     proc = _start(_torchrun(flags, script=[str(FAULTY_TRAIN), "--nan-at", "3:1,4:1", "--"]), log)
     skipped = "non-finite loss at step 3 on rank(s) [1]: step skipped (1 of --skip-nonfinite 1)"
     _wait_for(lambda: skipped in log.read_text(), proc, log)
@@ -183,7 +178,7 @@ def test_a_dead_or_hung_peer_makes_the_other_rank_exit_with_a_message(fault, tmp
 
 def test_unused_parameters_under_ddp_are_one_line_naming_the_flag(small_root, tmp_path):
     out, log = tmp_path / "run", tmp_path / "run.log"
-    proc = _start(_torchrun(_flags(small_root, out, "--max-steps", "3"),
+    proc = _start(_torchrun(run_flags(small_root, out, "--max-steps", "3"),
                             script=[str(FAULTY_TRAIN), "--unused-parameter", "--"]), log)
     _finish(proc, 120)
     output = log.read_text()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+from conftest import PYTHON, TRAIN_SCRIPT, run_flags, subprocess_env
 from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut.distributed import free_port
 from maskrcnn_tut.monitor import read_jsonl
@@ -20,11 +20,6 @@ from maskrcnn_tut.monitor import read_jsonl
 def data(tmp_path_factory) -> Path:
     from maskrcnn_tut.data.shapes import ensure_shapes_dataset
     return ensure_shapes_dataset(16, 4, seed=0, root=tmp_path_factory.mktemp("data") / "small", progress=False)
-
-
-def _flags(data: Path, out: Path, *extra: str) -> list[str]:
-    return ["--data-path", str(data), "--output-dir", str(out), "--batch-size", "2", "--min-size", "96",
-            "--max-size", "128", "--workers", "0", "--no-progress", "--print-freq", "1", *extra]
 
 
 def _torchrun(nproc: int, flags: list[str]) -> list[str]:
@@ -54,7 +49,7 @@ def _steps_logged(out: Path) -> list[int]:
 
 def test_sigterm_saves_after_the_current_step_and_the_resumed_log_has_each_step_once(data, tmp_path):
     out = tmp_path / "run"
-    flags = _flags(data, out, "--max-steps", "8", "--checkpoint-every", "100")
+    flags = run_flags(data, out, "--max-steps", "8", "--checkpoint-every", "100")
     proc = subprocess.Popen(_torchrun(2, flags), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=subprocess_env(), start_new_session=True)
     try:
@@ -74,11 +69,11 @@ def test_sigterm_saves_after_the_current_step_and_the_resumed_log_has_each_step_
 
 def test_a_second_run_on_the_same_folder_stops_naming_the_first(data, tmp_path):
     out = tmp_path / "run"
-    first = subprocess.Popen([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "40")],
+    first = subprocess.Popen([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "40")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=subprocess_env())
     try:
         _wait(lambda: len(_steps_logged(out)) >= 1, first)
-        second = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "2")])
+        second = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "2")])
         assert second.returncode == 2
         assert _errors(second.stderr) == [line for line in second.stderr.splitlines() if line.strip()]
         assert f"is in use by another run (pid {first.pid} on" in second.stderr
@@ -90,9 +85,9 @@ def test_a_second_run_on_the_same_folder_stops_naming_the_first(data, tmp_path):
 
 def test_a_rerun_without_resume_sets_the_earlier_run_aside_whole(data, tmp_path):
     out = tmp_path / "run"
-    assert _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "2")]).returncode == 0
+    assert _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "2")]).returncode == 0
     before = {name: (out / name).read_text() for name in ("config.json", "metrics.jsonl", "eval.jsonl", "summary.json")}
-    again = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "1")])
+    again = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "1")])
     assert again.returncode == 0, again.stderr[-2000:]
     [aside] = out.glob("earlier-*")
     assert {name: (aside / name).read_text() for name in before} == before
@@ -104,21 +99,21 @@ def test_folders_and_files_of_the_wrong_kind_and_test_only_without_checkpoint_ar
     out = tmp_path / "run"
     out.mkdir()
     (out / "checkpoints").write_text("not a folder")
-    result = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "1")])
+    result = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "1")])
     assert result.returncode == 2 and _errors(result.stderr) == [result.stderr.strip()]
     assert "checkpoints is a file" in result.stderr
     empty = tmp_path / "empty"
-    result = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, empty, "--test-only", "--resume", "auto")])
+    result = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, empty, "--test-only", "--resume", "auto")])
     assert result.returncode == 2 and "no checkpoint in" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_resume_applies_a_changed_lr_and_batch_and_says_so(data, tmp_path):
     out = tmp_path / "run"
-    first = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "3", "--lr", "0.002",
+    first = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "3", "--lr", "0.002",
                                                      "--warmup-steps", "0")])
     assert first.returncode == 0, first.stderr[-2000:]
     # 3 steps of 2 images are 6 images into the 16-image epoch; 3 steps of 1 image land there too
-    resumed = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, out, "--max-steps", "5", "--lr", "0.008",
+    resumed = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "5", "--lr", "0.008",
                                                        "--warmup-steps", "0", "--resume", "auto", "--batch-size", "1")])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "instead of the checkpoint's" in resumed.stderr and "6 images into epoch 0" in resumed.stderr
@@ -126,16 +121,16 @@ def test_resume_applies_a_changed_lr_and_batch_and_says_so(data, tmp_path):
     saved = json.loads((out / "config.json").read_text())
     assert saved["lr"] == pytest.approx(0.008 * 1 / 8)  # recorded: the lr this run trains with
     assert rows[-1]["lr"] > rows[2]["lr"] * 0.4  # the schedule continues from this run's base lr
-    odd = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, tmp_path / "odd", "--max-steps", "1")])
+    odd = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, tmp_path / "odd", "--max-steps", "1")])
     assert odd.returncode == 0
-    refused = _run([PYTHON, str(TRAIN_SCRIPT), *_flags(data, tmp_path / "odd", "--max-steps", "2", "--resume", "auto",
+    refused = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, tmp_path / "odd", "--max-steps", "2", "--resume", "auto",
                                                        "--batch-size", "3")])
     assert refused.returncode == 2 and "cannot continue at that place" in refused.stderr
 
 
 def test_end_of_training_ap_equals_test_only_on_the_saved_checkpoint_at_its_own_sizes(data, tmp_path):
     out = tmp_path / "run"
-    trained = _run(_torchrun(2, _flags(data, out, "--max-steps", "4")))
+    trained = _run(_torchrun(2, run_flags(data, out, "--max-steps", "4")))
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     # the sizes come from the checkpoint (96/128 px), not from this machine's preset (128/192);
