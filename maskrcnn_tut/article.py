@@ -85,7 +85,7 @@ def _toy(seed: int = 0):
 def article_errors() -> dict[str, str]:
     """The article's AMP branch on Mask R-CNN (cpu-tiny, 2 images) and on the toy detector: the error
     each raises; then the toy with the tuple unpacking dropped (`losses = model(...)`, the loss dict)."""
-    from .memory import synthetic_batch
+    from .data.synthetic import synthetic_batch
     from .model import build_model
     cfg = make_config("cpu-tiny", data_path=None)
     torch.manual_seed(0)

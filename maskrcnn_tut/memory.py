@@ -30,6 +30,7 @@ from . import distributed as du
 from .bench.harness import environment
 from .bench.results import BenchResult, python_call
 from .config import Config, derive, make_config
+from .data.synthetic import synthetic_batch
 from .data.loader import to_device
 from .engine import TrainState, amp_dtype, autocast, build_optimizer, make_scaler, train_step
 from .hardware import current_memory_mb, peak_memory_mb, provenance, reset_peak_memory
@@ -70,24 +71,6 @@ class MemoryBreakdown:
         return {"image size": self.image_size, "batch": self.batch_size, "parameters MiB": round(self.parameters_mb),
                 "gradients MiB": round(self.gradients_mb), "optimizer MiB": round(self.optimizer_mb),
                 "activations MiB": round(self.activations_mb), "total MiB": round(self.total_mb)}
-
-
-def synthetic_batch(image_size: int, batch_size: int, objects: int = 3, seed: int = 0) -> tuple[list, list]:
-    """`batch_size` random uint8 square images, each with `objects` boxes and box-shaped masks."""
-    gen = torch.Generator().manual_seed(seed)
-    images, targets = [], []
-    for _ in range(batch_size):
-        images.append(torch.randint(0, 256, (3, image_size, image_size), dtype=torch.uint8, generator=gen))
-        boxes, masks = [], torch.zeros(objects, image_size, image_size, dtype=torch.uint8)
-        for k in range(objects):
-            w, h = torch.randint(image_size // 8, image_size // 2, (2,), generator=gen).tolist()
-            x = int(torch.randint(0, image_size - w, (1,), generator=gen))
-            y = int(torch.randint(0, image_size - h, (1,), generator=gen))
-            boxes.append([x, y, x + w, y + h])
-            masks[k, y:y + h, x:x + w] = 1
-        targets.append({"boxes": torch.tensor(boxes, dtype=torch.float32),
-                        "labels": torch.arange(objects) % 3 + 1, "masks": masks})
-    return images, targets
 
 
 def _sized(cfg: Config, image_size: int, device: torch.device) -> Config:

@@ -1,7 +1,7 @@
 """Where one training step's memory goes over time, and which input shapes its layers meet.
 
 - `memory_timeline(cfg, batch_size, accum_steps, amp_dtype)`: one real `engine.train_step` of the
-  config's Mask R-CNN on the CPU, on `memory.synthetic_batch` images, with autograd's saved-tensor
+  config's Mask R-CNN on the CPU, on `data.synthetic.synthetic_batch` images, with autograd's saved-tensor
   hooks (what `memory.breakdown` counts) and per-parameter gradient hooks installed: the MiB that
   autograd holds for backward at every moment (each storage counted once, parameters left out;
   released when backward has used its last reference), the MiB of gradients, and the constant
@@ -28,7 +28,7 @@ from .bench import multiscale_sizes  # (before .memory, whose import of bench wo
 from .config import Config, derive
 from .data.loader import batch_stream, build_datasets, build_train_loader
 from .engine import TrainState, build_optimizer, make_scaler, train_step
-from .memory import synthetic_batch
+from .data.synthetic import synthetic_batch
 from .model import build_model
 
 MIB = 2**20

@@ -10,7 +10,7 @@ from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut import distributed as du
 from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.engine import TrainState, build_optimizer, configure_runtime, make_scaler, train_step
-from maskrcnn_tut.memory import synthetic_batch
+from maskrcnn_tut.data.synthetic import synthetic_batch
 from maskrcnn_tut.model import build_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -29,7 +29,7 @@ from ..config import derive, make_config
 from ..data.loader import to_device
 from ..engine import TrainState, build_optimizer, build_scheduler, configure_runtime, make_scaler, train_step
 from ..hardware import provenance
-from ..memory import synthetic_batch
+from ..data.synthetic import synthetic_batch
 from ..model import build_model
 from ..monitor import MetricsLogger, StragglerCheck
 from .results import BenchResult, python_call
