@@ -112,8 +112,9 @@ class Config:
 #: Learns from scratch on the shapes dataset on 2 CPU cores in about 12 minutes: ResNet-18 with
 #: trainable BatchNorm, a 64-channel normalized FPN with thin heads and 16-256 px anchors at
 #: 128 px, light RPN/RoI sampling, AdamW 2e-3 for a global batch of 8 (2 processes x 4).
-#: 100 MB buckets: a process with one core cannot overlap gloo's all-reduce with backward, so
-#: fewer, larger all-reduces are faster (measured 6.0 against 5.6 img/s with 25 MB, 2 processes).
+#: 100 MB buckets (all of cpu-tiny's 47 MiB of gradients in one): with one core per process, gloo's
+#: all-reduce thread competes with backward for that core, so one all-reduce after backward was
+#: faster than several during it (measured 6.0 against 5.6 img/s with 25 MB, 2 processes).
 CPU_TINY = dict(
     backbone="resnet18", norm="bn", min_size=128, max_size=192,
     fpn_channels=64, mask_head_layers=2, mask_head_channels=64, box_head_dim=256,

@@ -18,9 +18,9 @@ from .results import BenchResult, python_call
 
 TABLE_COLUMNS = ["setup", "processes", "threads/process", "GPUs", "img/s", "peak MiB/device", "total MiB",
                  "speedup", "scaling efficiency", "note"]
-#: Images per process in the CPU speed table. A step's fixed costs (the all-reduce, which a one-core
-#: gloo process cannot hide behind backward, and the wait for the slower rank) weigh less on more
-#: images: DDP(2) measured 1.61-1.66x at the preset's 4 images, 1.74-1.87x at 8 on the 2-core
+#: Images per process in the CPU speed table. A step's fixed costs (the last bucket's all-reduce,
+#: a few percent of a step in chapter 4's trace, and the wait for the slower rank) weigh less on
+#: more images: DDP(2) measured 1.61-1.66x at the preset's 4 images, 1.74-1.87x at 8 on the 2-core
 #: development machine. The GPU table keeps the preset's batch.
 CPU_TABLE_BATCH = 8
 
@@ -107,9 +107,9 @@ def table(preset: str | None = None, nprocs: int | None = None, steps: int = 16,
             notes.append(f"{n} processes share {cores} usable cores, so they take turns on them: these rows show "
                          "what DDP costs, not how it scales (scaling efficiency counts the cores used).")
         if cfg.batch_size == CPU_TABLE_BATCH:
-            notes.append(f"Batch {CPU_TABLE_BATCH} per process: a step's fixed costs (the all-reduce, which a "
-                         "one-core process cannot hide behind backward, and the wait for the slower rank) are "
-                         "spread over more images "
+            notes.append(f"Batch {CPU_TABLE_BATCH} per process: a step's fixed costs (the last gradient "
+                         "bucket's all-reduce, a few percent of a step here, and the wait for the slower rank) "
+                         "are spread over more images "
                          "(`--batch-size 4` shows the preset's batch; chapter 9 measures the effect).")
     baseline = rows[0]["img/s"]
     for row in rows:
