@@ -309,7 +309,7 @@ def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,
     low, high = HEALTHY_GPU_UTIL
     if not gpus:
         report.checks.append(HealthCheck("GPU utilization", None, (
-            f"{unavailable}. On GPUs the healthy range is {low:.0f}-{high:.0f} % busy; here the "
+            f"{unavailable}. On GPUs, below {low:.0f} % the GPU sits idle between kernels; here the "
             "data-vs-compute check below tells whether the processor waits for data.")))
     for gpu in gpus or []:
         util = gpu["util_mean"]
@@ -317,12 +317,14 @@ def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,
             advice = ("the GPU waits: usually for data (raise --workers, keep pin_memory on) or for the "
                       "CPU to launch small kernels (raise --batch-size, use --amp)")
         elif util > high:
-            advice = ("fully busy: more speed must come from less work per image (--amp, "
-                      "--channels-last) or from more GPUs")
+            advice = ("no idle gaps; utilization counts time with any kernel running, so check SM activity "
+                      "(DCGM) or a trace before calling it saturated; then more speed comes from less work per "
+                      "image (--amp, --channels-last) or from more GPUs")
         else:
-            advice = "in the healthy range"
+            advice = "few idle gaps between kernels"
         report.checks.append(HealthCheck(f"{_gpu_name(gpu)} utilization", util >= low,
-                                         f"{util:.0f} % busy on average (healthy: {low:.0f}-{high:.0f} %): {advice}."))
+                                         f"{util:.0f} % of the time a kernel ran, on average (below {low:.0f} %: "
+                                         f"the GPU sits idle between kernels): {advice}."))
     data, compute = _median(rows, "data_time"), statistics.median(r["iter_time"] - r["data_time"] for r in rows)
     if data < compute:
         message = (f"a step waits {data * 1000:.0f} ms for data and computes for {compute * 1000:.0f} ms "

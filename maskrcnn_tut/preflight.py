@@ -54,12 +54,17 @@ NCCL_VARIABLES = [
     {"variable": "NCCL_P2P_DISABLE=1", "what it does": "no direct GPU-to-GPU copies (NVLink, PCIe P2P); go "
      "through host memory", "when": "GPUs behind a PCIe switch or in a VM whose P2P is broken: wrong results or "
      "hangs that go away with it"},
-    {"variable": "TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "what it does": "a collective that times out or fails aborts "
-     "the process group and ends the process (torch's default since 2.2; older runs wait forever)",
-     "when": "keep it on, so a dead rank ends the job and torchrun can restart it"},
+    {"variable": "TORCH_NCCL_ASYNC_ERROR_HANDLING=3", "what it does": "what torch's watchdog does when a collective "
+     "fails or times out: 3 (the default) ends the process, 1 also aborts the NCCL communicator first, 0 does "
+     "nothing (the job waits forever)", "when": "never 0: a failed rank must end the job, so torchrun can restart it"},
     {"variable": "TORCH_NCCL_BLOCKING_WAIT=1", "what it does": "each collective waits on the host and raises after "
      "the process group's timeout, naming the collective", "when": "debugging: a clear exception where the async "
      "watchdog only logs; slower, not for production"},
+    {"variable": "TORCH_NCCL_TRACE_BUFFER_SIZE=2000", "what it does": "each rank records its last collectives (the "
+     "flight recorder); with TORCH_NCCL_DUMP_ON_TIMEOUT=1 they are written out when the watchdog times out",
+     "when": "a hang on many ranks: compare which collective each rank reached"},
+    {"variable": "TORCH_NCCL_DESYNC_DEBUG=1", "what it does": "on a timeout, torch reports which rank(s) had not "
+     "joined the collective", "when": "to name the culprit rank of a collective desync"},
     {"variable": "TORCH_DISTRIBUTED_DEBUG=DETAIL", "what it does": "torch checks that every rank calls the same "
      "collectives with the same shapes, and logs DDP's unused parameters", "when": "a hang that is a mismatch "
      "(one rank skipped a collective or called it with another shape)"},

@@ -265,7 +265,8 @@ def imbalance_run(batch_sizes: Sequence[Sequence[int]], steps: int = 6, warmup: 
                                  callbacks=[check, lambda record: forward.append(record.rank_forward_times)])
         results.append({"batch per rank": list(per_rank),
                         "forward s per rank": [statistics.median(times) for times in zip(*forward)],
-                        "step s": statistics.median(measured.iter_times), "warnings": check.warnings})
+                        "step s": statistics.median(measured.iter_times), "step s all": list(measured.iter_times),
+                        "warnings": check.warnings})
     return results
 
 

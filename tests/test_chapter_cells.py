@@ -74,16 +74,6 @@ def test_chapter_4_speed_sentences(host):
     assert "1.00 times the baseline" not in comparison
 
 
-@pytest.mark.parametrize("host", HOSTS)
-def test_chapter_8_speed_sentences(host):
-    glued = run_cell(cell_with("08_monitoring_and_benchmarks.ipynb", 'speed.row("DDP")'), HOSTS[host])
-    if host == "1 GPU":
-        assert "no DDP row" in glued["table_ddp_result"] and "no DDP row" in glued["table_ddp_scaled"]
-    else:
-        assert glued["table_ddp_result"].startswith("Here DDP(") and "x, a scaling efficiency of 90 %" in glued["table_ddp_result"]
-    assert glued["article_ddp_efficiency"] == "94"
-
-
 @pytest.mark.parametrize("processes", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("per_process", [1, 2, 4])
 def test_chapter_9_splits_the_same_images_evenly(processes, per_process):

@@ -44,7 +44,7 @@ from .results import BenchResult, load_suite, markdown_table, python_call, resul
 from .sweeps import (NO_DIFFERENCE, SWEEP_COLUMNS, SWEEPS, knob_note, sweep_accum, sweep_amp, sweep_channels_last,
                      sweep_cudnn, sweep_fast_path, sweep_loader, sweep_size)
 from .scaling import CPU_TABLE_BATCH, TABLE_COLUMNS, table
-from .cache import above, cached, describe_cache, interval, spread_text, timing_row, versus
+from .cache import above, cached, describe_cache, interval, machine_busy, spread_text, timing_row, versus
 from . import predict
 from .predict import scaling_curve
 
@@ -54,5 +54,5 @@ __all__ = [
     "launch_measure", "load_suite", "main", "markdown_table", "measure", "measure_worker", "multiscale_sizes",
     "overhead", "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
-    "above", "cached", "describe_cache", "interval", "predict", "scaling_curve", "spread_text", "timing_row", "versus",
+    "above", "cached", "describe_cache", "interval", "machine_busy", "predict", "scaling_curve", "spread_text", "timing_row", "versus",
 ]

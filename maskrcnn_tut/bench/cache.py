@@ -19,7 +19,10 @@ While the benchmark runs, each measured row also gets its spread: the step times
 25th percentile step) and, for rows with a speedup, the speedup's range against the first row
 (`"speedup lo"`, `"speedup hi"`: this row's low over the baseline's high, and its high over the
 baseline's low). `interval(row)`, `versus(a, b)` and `spread_text(row)` read them, so prose can say
-"too noisy to tell" when two intervals overlap.
+"too noisy to tell" when two intervals overlap. The share of the machine's cores that *other*
+processes kept busy meanwhile is kept too (`provenance["cache"]["other load"]`; `machine_busy`):
+on a shared machine rows measured one after another meet different loads, which no row's own
+spread shows.
 
 Concurrent callers (two chapters built at once) wait on a lock file and the second reads what the
 first measured. `refresh=True` (or `MASKRCNN_TUT_BENCH_REFRESH=1`) measures again and overwrites.
@@ -35,6 +38,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -208,6 +212,45 @@ def spread_text(row: dict, key: str = "speedup", fmt: str = ".2f", unit: str = "
     return value if span is None else f"{value} (IQR {span[0]:{fmt}}-{span[1]:{fmt}}{unit})"
 
 
+# --------------------------------------------------------------------------- other work on the machine
+
+#: Other processes using more than this share of all cores while a figure is measured make its
+#: rows (measured one after another) incomparable: `machine_busy` says so.
+BUSY_SHARE = 0.2
+
+
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process and its waited-for
+    children) so far; None without Linux's /proc/stat."""
+    import resource
+    try:
+        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
+    return (sum(fields[:8]) - idle) / ticks, own
+
+
+def other_load(before: tuple[float, float] | None, after: tuple[float, float] | None, wall_s: float) -> float | None:
+    """The share of all cores that processes other than this one (and its children) kept busy."""
+    if before is None or after is None or wall_s <= 0:
+        return None
+    foreign = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, foreign / (wall_s * (os.cpu_count() or 1)))
+
+
+def machine_busy(result: BenchResult) -> str:
+    """A sentence when other work kept this machine busy while `result` was measured, else ""."""
+    share = result.provenance.get("cache", {}).get("other load")
+    if share is None or share <= BUSY_SHARE:
+        return ""
+    return (f"While this was measured, other processes kept {share:.0%} of this machine's cores busy, so rows "
+            "measured one after another met different loads: every comparison between them is too noisy to tell.")
+
+
 # --------------------------------------------------------------------------- the cache
 
 
@@ -245,12 +288,14 @@ def cached(fn: Callable[..., BenchResult], *args, refresh: bool = False, directo
         if result is not None:
             result.provenance["cache"] = {**result.provenance.get("cache", {}), "hit": True, "file": str(path)}
             return result
+        started, before = time.monotonic(), _cpu_seconds()
         with recording_measurements() as measurements:
             result = fn(*args, **kwargs)
+        load = other_load(before, _cpu_seconds(), time.monotonic() - started)
         spread = add_spread(result, measurements)
         measured = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         result.provenance["cache"] = {"hit": False, "file": str(path), "measured": measured, "spread": spread,
-                                      "code": key["code"]}
+                                      "code": key["code"], "other load": None if load is None else round(load, 3)}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"key": key, "result": result.to_dict()}, indent=1) + "\n")
         os.replace(tmp, path)

@@ -30,7 +30,8 @@ import torch
 
 from ..errors import BenchError
 from ..hardware import provenance, usable_cores
-from .cache import above, cached, interval, spread_text, versus
+from .cache import above, cached, interval, machine_busy, spread_text
+from .cache import versus as compare
 from .harness import bench_config, launch_measure
 from .results import BenchResult, python_call, row_label
 from .scaling import CPU_TABLE_BATCH, table
@@ -209,7 +210,11 @@ def table_verdicts(speed: BenchResult) -> dict[str, str]:
     Where two ranges overlap the sentence says "too noisy to tell"."""
     measured = [row for row in speed.rows if row.get("img/s") is not None]
     base, ddp = measured[0], speed.row("DDP")
-    out = {"result": "", "allreduce": "", "threads": "", "dp": "", "memory": ""}
+    out = {"result": "", "allreduce": "", "threads": "", "dp": "", "memory": "", "busy": machine_busy(speed)}
+
+    def versus(a, b):  # rows of a busy machine are not comparable, whatever their own spread
+        return 0 if out["busy"] and compare(a, b) is not None else compare(a, b)
+
     if ddp is None:
         out["result"] = ("This machine has a single device, so its table has no DDP row (DDP needs at least two) and "
                          "no speedup to set beside the article's.")
@@ -223,13 +228,16 @@ def table_verdicts(speed: BenchResult) -> dict[str, str]:
             out["result"] += (f" That is more than {n} devices' worth, which the same work split {n} ways cannot do: "
                               "the rows ran at different moments of a machine busy with other work (the baseline at "
                               "a slow one), so this table is too noisy to tell how DDP scales here.")
+    if out["busy"]:
+        out["result"] = (out["result"] + " " + out["busy"]).strip()
     ceiling = speed.row(f"{_devices_used(ddp)} processes without") if ddp else None
     if ddp and ceiling:
         verdict = versus(ddp, ceiling)
         gap = 1 - ddp["img/s"] / ceiling["img/s"]
         out["allreduce"] = {
-            0: f"The same processes without the gradient all-reduce reached {spread_text(ceiling)}: the ranges overlap, "
-               "so the all-reduce cost nothing measurable here (too noisy to tell it from zero).",
+            0: f"The same processes without the gradient all-reduce reached {spread_text(ceiling)}: " + (
+               "measured on a busy machine, too noisy to tell what the all-reduce cost." if out["busy"] else
+               "the ranges overlap, so the all-reduce cost nothing measurable here (too noisy to tell it from zero)."),
             -1: f"The same processes without the gradient all-reduce reached {spread_text(ceiling)}: DDP's whole range "
                 f"lies below, so here the all-reduce cost about {_pct(gap)} of the speed.",
             1: f"The same processes without the gradient all-reduce reached {spread_text(ceiling)}, below DDP's range, "
@@ -245,7 +253,7 @@ def table_verdicts(speed: BenchResult) -> dict[str, str]:
         out["threads"] = (f"One process with {other['threads/process']} threads reached {spread_text(other)}: " + {
             1: "DDP's processes beat the same cores used as threads of one process.",
             -1: "faster than DDP's processes here.",
-            0: "the ranges overlap, too noisy to tell it from DDP.",
+            0: "too noisy to tell it from DDP.",
             None: "compare it with DDP's figure (no spread recorded)."}[verdict])
     dp = speed.row("DP")
     if dp is None:
