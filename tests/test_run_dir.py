@@ -146,3 +146,18 @@ def test_end_of_training_ap_equals_test_only_on_the_saved_checkpoint_at_its_own_
     assert "min_size=96" in scored.stderr and "at step 4" in scored.stderr
     metrics = json.loads(scored.stdout.strip().splitlines()[-1])
     assert {k: round(v, 6) for k, v in metrics.items()} == {k: round(summary[k], 6) for k in metrics}
+
+
+def test_resume_on_another_process_count_continues_at_the_same_place(data, tmp_path):
+    """2 processes x 2 images, then 1 process x 4 images: the same images per micro-step, so the
+    position carries over exactly; the RNG streams of a 2-rank checkpoint are reseeded on 1 rank."""
+    out = tmp_path / "run"
+    first = _run(_torchrun(2, run_flags(data, out, "--max-steps", "2")))
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "3", "--batch-size", "4",
+                                                          "--resume", "auto")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming on 1 processes from a 2-process checkpoint: RNG streams reseeded" in resumed.stderr
+    state = ckpt.load(out / "checkpoints" / "last.pt")["state"]
+    assert state["step"] == 3 and state["batch_in_epoch"] == 3  # 2 + 1 micro-steps of 4 images in all
+    assert _steps_logged(out) == [1, 2, 3]
