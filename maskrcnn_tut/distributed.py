@@ -7,6 +7,7 @@ its own for each torchrun restart round, so a restarted group never reads a dead
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import faulthandler
@@ -89,6 +90,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
                                     rank=rank, world_size=world_size, timeout=timeout)
         except (dist.DistError, OSError) as err:  # TimeoutError is an OSError
             raise rendezvous_error(err, rank, world_size, timeout_s) from err
+        # leave the group before the interpreter tears down: a process that exits while its store's
+        # and gloo's threads still run (say after a peer died) aborts ("terminate called ...")
+        atexit.register(shutdown)
     _INFO = DistInfo(rank, world_size, local_rank, local_world, backend if world_size > 1 else None, device)
     return _INFO
 
