@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import PeerFailure, RendezvousError, WorkerError
+from .errors import PeerFailure, RendezvousError, WorkerError, print_error
 from .hardware import usable_cores
 from .rendezvous import NETWORK_SIGNS, PORT_TAKEN_SIGNS, rendezvous_error, round_store
 
@@ -122,7 +122,7 @@ def interrupted(rank: int | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # no second KeyboardInterrupt while saying so
     line = "interrupted (Ctrl-C); the checkpoints already written are kept (--resume auto continues from the last)"
     if (env_world()[0] if rank is None else rank) == 0:
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        print_error(line)
     record_error_for_torchrun(KeyboardInterrupt(line))
     if main_thread:
         signal.signal(signal.SIGINT, lambda *_: os._exit(130))

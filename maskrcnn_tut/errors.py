@@ -9,6 +9,15 @@ Exit codes: 2 bad settings, data, checkpoint or benchmark; 3 non-finite loss; 4 
 """
 from __future__ import annotations
 
+import sys
+
+
+def print_error(message: str) -> None:
+    """`error: <message>` on stderr in one write: `print` writes the line and its newline apart, so
+    two ranks failing at once on one terminal or log can run their lines together."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
 
 class UserError(Exception):
     """A failure the user can act on; the message says what went wrong and what to do."""

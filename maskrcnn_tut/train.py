@@ -26,7 +26,7 @@ from maskrcnn_tut.data.loader import (batch_stream, build_dataset, build_dataset
 from maskrcnn_tut.data.shapes import ensure_shapes_dataset
 from maskrcnn_tut.engine import (TrainState, autocast, build_optimizer, build_scheduler, configure_runtime,
                                  make_scaler, train_step)
-from maskrcnn_tut.errors import Preempted, UserError
+from maskrcnn_tut.errors import Preempted, UserError, print_error
 from maskrcnn_tut.evaluate import coco_from_dict, evaluate
 from maskrcnn_tut.flags import parse_args
 from maskrcnn_tut.model import build_model
@@ -208,7 +208,7 @@ def report(err: UserError, rank: int) -> None:
     """One line on stderr (on rank 0 only for the set-up errors every rank meets alike), and the
     same line in torchrun's error file, so its failure summary names the cause."""
     if rank == 0 or err.rank_specific:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print_error(str(err))
     du.record_error_for_torchrun(err)
 
 

@@ -9,7 +9,7 @@ from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut.config import REFERENCE_BATCH, derive, make_config, validate
 from maskrcnn_tut.distributed import DistInfo
 from maskrcnn_tut.engine import autocast, build_optimizer, build_scheduler, make_scaler
-from maskrcnn_tut.errors import CheckpointError, ConfigError, UserError
+from maskrcnn_tut.errors import CheckpointError, ConfigError, UserError, print_error
 from maskrcnn_tut.flags import build_parser, parse_args
 from maskrcnn_tut.model import build_model
 from maskrcnn_tut.train import main
@@ -60,6 +60,21 @@ def test_derive_scales_the_lr_to_the_global_batch_and_is_idempotent():
 
 def test_every_user_error_has_an_exit_code():
     assert issubclass(ConfigError, UserError) and ConfigError("x").exit_code == 2
+
+
+def test_an_error_line_is_one_write_so_two_failing_ranks_cannot_run_their_lines_together(monkeypatch):
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr("sys.stderr", Recorder())
+    print_error("non-finite loss at step 4")
+    assert writes == ["error: non-finite loss at step 4\n"]
 
 
 def test_a_bad_weights_file_is_one_line_and_exit_code_2(shapes_root, tmp_path, capsys):

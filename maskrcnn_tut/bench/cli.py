@@ -9,7 +9,7 @@ import argparse
 import shlex
 import sys
 
-from ..errors import UserError
+from ..errors import UserError, print_error
 from .gpu import gpu_suite
 from .overhead import overhead
 from .sweeps import SWEEPS
@@ -76,5 +76,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args, "python -m maskrcnn_tut.bench " + shlex.join(argv))
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print_error(str(err))
         return err.exit_code

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from ..config import make_config, validate
-from ..errors import UserError
+from ..errors import UserError, print_error
 from .coco import CocoDetection
 from .loader import dataset_paths
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k != "verify_pixels" and v is not None}
     if not given.get("data_path") and not given.get("train_json"):
-        print("error: give --data-path ROOT (or --train-json and --val-json)", file=sys.stderr)
+        print_error("give --data-path ROOT (or --train-json and --val-json)")
         return 2
     try:
         cfg = make_config("cpu-tiny", **given)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         for split in SPLITS:
             print(format_report(split, check_split(cfg, split, args.verify_pixels)), end="\n\n")
     except UserError as err:  # bad settings or data; anything else is a bug and keeps its traceback
-        print(f"error: {err}", file=sys.stderr)
+        print_error(str(err))
         return err.exit_code
     return 0
 
