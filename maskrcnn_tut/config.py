@@ -85,6 +85,7 @@ class Config:
     channels_last: bool = False
     fixed_shapes: bool = False
     compile_backbone: bool = False
+    decode_on_device: bool = False
     seed: int = 0
     # evaluation, logging, checkpoints
     eval_every: int | None = None

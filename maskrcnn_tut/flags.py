@@ -75,6 +75,8 @@ HELP = {
                     "image, so shapes repeat for --compile-backbone, CUDA graphs and cudnn.benchmark",
     "compile_backbone": "torch.compile the backbone, FPN and RPN head (CUDA graphs on GPUs); use with "
                         "--fixed-shapes, or every new image shape compiles again",
+    "decode_on_device": "decode training JPEGs on the device (nvJPEG on GPUs) in the main process; the workers "
+                        "only read the files",
     "seed": "seed of model init (same on every rank) and data order",
     "eval_every": "evaluate every N optimizer steps (always at the end)",
     "print_freq": "log metrics every N optimizer steps",

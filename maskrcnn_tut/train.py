@@ -106,7 +106,7 @@ def run(cfg: Config) -> dict:
     if info.is_main:
         for name, ds in (("train", train_set), ("val", val_set)):
             log.info("%s data %s: %d images; %s", name, ds.ann_file, len(ds), ds.report.summary())
-    train_loader = build_train_loader(train_set, cfg, info.rank, info.world_size)
+    train_loader = build_train_loader(train_set, cfg, info.rank, info.world_size, device)
     val_loader = build_eval_loader(val_set, cfg, info.rank, info.world_size)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch(train_loader, cfg.accum_steps)
 

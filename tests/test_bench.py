@@ -16,6 +16,7 @@ import torch
 from conftest import subprocess_env
 from maskrcnn_tut import bench, config, engine, hardware
 from maskrcnn_tut.bench import sweeps
+from maskrcnn_tut.errors import BenchError
 
 TINY = dict(min_size=64, max_size=96, batch_size=2)
 
@@ -101,3 +102,40 @@ def test_result_round_trips_and_renders(tmp_path):
 def test_gpu_suite_refuses_plainly_on_a_cpu_machine(capsys):
     assert bench.main(["--suite", "gpu", "--max-minutes", "1"]) == 2
     assert "needs CUDA GPUs and this machine has none" in capsys.readouterr().err
+
+
+def test_overhead_times_three_loops_on_one_model_and_counts_the_mask_heads_work():
+    from maskrcnn_tut.bench.overhead import LOOPS, overhead
+
+    result = overhead("cpu-tiny", image_size=64, batch_size=2, rounds=2, steps=1, warmup=1, max_size=96)
+    assert [row["loop"] for row in result.rows] == list(LOOPS)
+    bare = result.rows[0]
+    assert bare["overhead s"] == 0 and all(row["s/step"] > 0 for row in result.rows)
+    for row in result.rows:  # one mean count per round, at least the objects of the batch (gt boxes are positives)
+        counts = [float(c) for c in row["mask RoIs/step by round"].split(", ")]
+        assert len(counts) == 2 and min(counts) >= 2 * 3
+
+
+def test_training_seconds_sum_the_windows_and_count_slow_ones_as_compiling():
+    from maskrcnn_tut.bench.accuracy import training_seconds
+
+    rows = [{"step": 10, "iter_time": 5.0}, {"step": 20, "iter_time": 0.5}, {"step": 30, "iter_time": 0.5},
+            {"step": 35, "iter_time": 0.6}]
+    cumulative, compiling = training_seconds(rows, print_freq=10)
+    assert cumulative == [(10, 50.0), (20, 55.0), (30, 60.0), (35, 63.0)]
+    assert compiling == pytest.approx(50.0 - 5.5)  # the first window, over a window at the median 0.55 s/step
+
+
+def test_time_to_accuracy_runs_each_variant_and_finds_the_first_eval_at_target(shapes_root):
+    from maskrcnn_tut.bench.accuracy import time_to_accuracy
+
+    tiny = ("--data-path", str(shapes_root), "--max-steps", "4", "--min-size", "64", "--max-size", "96",
+            "--batch-size", "2", "--workers", "0")
+    result = time_to_accuracy("bbox_AP50", target=0.0, eval_every=2, nprocs=1, print_freq=2, extra_flags=tiny,
+                              variants={"eager": (), "fixed shapes": ("--fixed-shapes",)})
+    assert [row["variant"] for row in result.rows] == ["eager", "fixed shapes"]
+    for row in result.rows:
+        assert row["steps"] == 4 and row["first eval with bbox_AP50 >= 0.0"] == 2  # reached at the first eval
+        assert [step for step, _, _ in row["curve"]] == [2, 4] and 0 < row["training s to it"] < row["training s, all steps"]
+    with pytest.raises(BenchError, match="multiple"):
+        time_to_accuracy(eval_every=5, print_freq=10)

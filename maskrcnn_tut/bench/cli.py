@@ -11,6 +11,7 @@ import sys
 
 from ..errors import UserError, print_error
 from .gpu import gpu_suite
+from .accuracy import time_to_accuracy
 from .overhead import overhead
 from .sweeps import SWEEPS
 from .scaling import table
@@ -43,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     overhead_cmd = commands.add_parser("overhead", parents=[common], help=overhead.__doc__.splitlines()[0])
     overhead_cmd.add_argument("--image-size", type=int, help="square synthetic images of this side (default: min size)")
     overhead_cmd.add_argument("--rounds", type=int, help="alternating rounds of the three loops")
+    overhead_cmd.add_argument("--no-amp", dest="amp", action="store_false", default=None,
+                              help="fp32 steps (default: the preset's precision on this device)")
+    accuracy_cmd = commands.add_parser("time-to-accuracy", help=time_to_accuracy.__doc__.splitlines()[0])
+    accuracy_cmd.add_argument("--metric", default="segm_AP50", help="an evaluation key (default: segm_AP50)")
+    accuracy_cmd.add_argument("--target", type=float, default=0.90, help="the value to reach (default: 0.90)")
+    accuracy_cmd.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (default: 50)")
+    accuracy_cmd.add_argument("--nprocs", type=int, default=2, help="torchrun processes (default: 2, the main job)")
+    accuracy_cmd.add_argument("--out", help="write the result as JSON to this file")
+    accuracy_cmd.add_argument("--plot", help="save the result's plot to this image file")
     return parser
 
 
@@ -54,9 +64,11 @@ def run(args: argparse.Namespace, command: str) -> int:
         build_parser().print_help()
         return 2
     options = {k: getattr(args, k) for k in OPTIONS if getattr(args, k, None) is not None}
-    if args.command == "overhead":
+    if args.command == "time-to-accuracy":
+        result = time_to_accuracy(args.metric, args.target, args.eval_every, args.nprocs)
+    elif args.command == "overhead":
         options.pop("data_path", None)
-        options.update({k: getattr(args, k) for k in ("image_size", "rounds") if getattr(args, k) is not None})
+        options.update({k: getattr(args, k) for k in ("image_size", "rounds", "amp") if getattr(args, k) is not None})
         result = overhead(**options)
     else:
         result = (table if args.command == "table" else SWEEPS[args.command])(**options)

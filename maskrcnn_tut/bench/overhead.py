@@ -11,7 +11,11 @@ three loops take turns, round after round, so drift of the machine hits them ali
   SIGTERM check, as train.py runs them.
 
 Overhead is each loop's median step time minus the bare one's, with the rounds' spread. A loop
-that slows down from round to round shows as a rising per-round median.
+that slows down from round to round shows as a rising per-round median. All three loops train the same
+model, so a slowdown they share is the model's, not a loop's: as the RPN learns, more proposals overlap
+an object, the box sampler keeps more positives (up to a quarter of its 512 per image) and the mask
+head, which runs on every positive, does more work. Each round's mask-head RoIs per step are counted to
+show it.
 """
 from __future__ import annotations
 
@@ -62,6 +66,9 @@ def overhead(preset: str | None = None, image_size: int | None = None, batch_siz
     scheduler = build_scheduler(optimizer, cfg, 10**6)
     scaler = make_scaler(cfg, device)
     state, names = TrainState(), []
+    mask_rois: list[int] = []  # positives the mask head pooled, one entry per forward
+    model.roi_heads.mask_roi_pool.register_forward_pre_hook(
+        lambda _, args: mask_rois.append(sum(len(boxes) for boxes in args[1])))
     batches = itertools.repeat(batch)
     with tempfile.TemporaryDirectory() as out:
         logger = MetricsLogger(Path(out), 10**6, 0, cfg.global_batch_size, device, cfg.print_freq, progress=False)
@@ -82,9 +89,10 @@ def overhead(preset: str | None = None, image_size: int | None = None, batch_siz
             for _ in range(warmup):
                 loop_step(name)
         per_round: dict[str, list[float]] = {name: [] for name in LOOPS}
+        rois_per_round: dict[str, list[float]] = {name: [] for name in LOOPS}
         for _ in range(rounds):
             for name in LOOPS:
-                times = []
+                times, mask_rois[:] = [], []
                 for _ in range(steps):
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
@@ -94,6 +102,7 @@ def overhead(preset: str | None = None, image_size: int | None = None, batch_siz
                         torch.cuda.synchronize(device)
                     times.append(time.perf_counter() - started)
                 per_round[name].append(statistics.median(times))
+                rois_per_round[name].append(statistics.mean(mask_rois))
         logger.close()
     bare = statistics.median(per_round["bare"])
     rows = []
@@ -102,13 +111,16 @@ def overhead(preset: str | None = None, image_size: int | None = None, batch_siz
         step = statistics.median(medians)
         rows.append({"loop": name, "s/step": step, "min round": min(medians), "max round": max(medians),
                      "overhead s": step - bare, "overhead %": 100 * (step - bare) / bare,
-                     "rounds": ", ".join(f"{m:.3f}" for m in medians)})
+                     "rounds": ", ".join(f"{m:.3f}" for m in medians),
+                     "mask RoIs/step by round": ", ".join(f"{r:.0f}" for r in rois_per_round[name])})
     notes = [f"{cfg.preset} ({cfg.backbone}-FPN), {cfg.batch_size} synthetic {size} px images per step, already in "
              f"memory, on {device}; {rounds} alternating rounds of {steps} steps after {warmup} warm-up steps each; "
              "s/step is the median of the rounds' medians.",
-             "A loop whose per-round medians rise round after round slows down over time."]
+             "A loop whose per-round medians rise round after round slows down over time; the three loops "
+             "train one model in turns, so a rise they share, with the mask head's RoIs, is the model learning."]
     command = python_call("bench.overhead", preset=preset, image_size=image_size, batch_size=batch_size,
                           rounds=rounds, steps=steps, warmup=warmup, **overrides)
     return BenchResult("overhead", "The training loop's overhead over the bare model step", rows,
-                       ["loop", "s/step", "min round", "max round", "overhead s", "overhead %", "rounds"], notes,
+                       ["loop", "s/step", "min round", "max round", "overhead s", "overhead %", "rounds",
+                        "mask RoIs/step by round"], notes,
                        provenance(command))

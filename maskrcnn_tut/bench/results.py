@@ -145,7 +145,24 @@ def _plot_memory(result: BenchResult):
     return fig
 
 
-_PLOTS: dict[str, Callable] = {"table": _plot_table, "memory": _plot_memory}
+def _plot_time_to_accuracy(result: BenchResult):
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for row in result.rows:
+        seconds, values = zip(*[(s, v) for _, s, v in row["curve"]]) if row["curve"] else ((), ())
+        ax.plot(seconds, values, marker="o", label=row["variant"])
+    metric, target = result.provenance["metric"], result.provenance["target"]
+    ax.axhline(target, color="tab:red", linestyle="--", label=f"target {metric} {target}")
+    ax.set(xlabel="training seconds (evaluation left out)", ylabel=metric,
+           title=f"{result.title}\n{result.provenance.get('hardware', '')}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+_PLOTS: dict[str, Callable] = {"table": _plot_table, "memory": _plot_memory,
+                               "time-to-accuracy": _plot_time_to_accuracy}
 
 
 # --------------------------------------------------------------------------- the GPU suite's files

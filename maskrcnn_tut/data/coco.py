@@ -35,6 +35,7 @@ from torchvision.transforms.v2 import functional as F
 
 from ..errors import DataError
 from .clean import DataReport, category_labels, clean_coco, load_coco_json, resize_fails
+from .device_decode import Encoded, read_encoded
 from .records import Records, cached_records
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,8 @@ class CocoDetection(torch.utils.data.Dataset):
         self.images = _View(self.records, _image_info)
         self.targets = _View(self.records, _targets)
         self.crowds = _View(self.records, _crowds)
+        #: set by `build_train_loader` for `--decode-on-device`: workers hand JPEGs over undecoded
+        self.decode_device: torch.device | None = None
         self._warned: set = set()  # image ids whose decode failure was logged
         self._muted = False  # True once LOGGED_FAILURES images were logged
         if not len(self.records):
@@ -193,11 +196,15 @@ class CocoDetection(torch.utils.data.Dataset):
         return (self.widths / self.heights).tolist()
 
     def load(self, index: int):
-        """Decode image `index` and build its target (no transforms)."""
+        """Decode image `index` (or, with `decode_device` set, read a JPEG's bytes) and build its
+        target (no transforms)."""
         image_id, file_name, width, height, instances, _, _ = self.records[index]
-        image = read_rgb(self.image_dir / file_name)
-        if image.size != (width, height):
-            raise OSError(f"{file_name}: size changed since the start-up scan")
+        image = read_encoded(self.image_dir / file_name, width, height) if self.decode_device else None
+        if image is None:
+            pil_image = read_rgb(self.image_dir / file_name)
+            if pil_image.size != (width, height):
+                raise OSError(f"{file_name}: size changed since the start-up scan")
+            image = tv_tensors.Image(F.pil_to_tensor(pil_image))
         if instances:
             rles = [{"size": [height, width], "counts": inst[5]} for inst in instances]
             masks = torch.from_numpy(mask_utils.decode(rles)).permute(2, 0, 1).contiguous()
@@ -211,9 +218,9 @@ class CocoDetection(torch.utils.data.Dataset):
             "labels": torch.tensor([inst[4] for inst in instances], dtype=torch.int64),
             "image_id": image_id,
         }
-        return tv_tensors.Image(F.pil_to_tensor(image)), target
+        return image, target
 
-    def record_load_failures(self, failures: list[tuple]) -> None:
+    def record_load_failures(self, failures: list[tuple], consequence: str = "using the next image instead") -> None:
         """Count (image id, reason) decode failures in `report` as `load_failed`; log the first
         failure of the first `LOGGED_FAILURES` images only, then one line saying the rest are
         counted (the count is in the run's summary), so broken files never flood the log."""
@@ -222,11 +229,16 @@ class CocoDetection(torch.utils.data.Dataset):
             if image_id in self._warned or self._muted:
                 continue
             self._warned.add(image_id)
-            log.warning("%s; using the next image instead (logged once per image)", reason)
+            log.warning("%s; %s (logged once per image)", reason, consequence)
             if len(self._warned) >= LOGGED_FAILURES:
                 self._muted = True
                 log.warning("%d images failed to decode: further failures are counted as load_failed, "
                             "not logged", LOGGED_FAILURES)
+
+    def record_device_failure(self, target: dict, err: Exception) -> None:
+        """Count an image that `--decode-on-device` could decode neither on the device nor on the CPU."""
+        self.record_load_failures([(target["image_id"], f"image {target['image_id']}: failed to decode on the "
+                                                        f"device and on the CPU ({err})")], "dropped from its batch")
 
     def _failed(self, index: int, err: Exception) -> tuple:
         """(image id, reason) of a decode failure; a `DataError` when the image folder is gone."""
@@ -256,7 +268,9 @@ class CocoDetection(torch.utils.data.Dataset):
                 return torch.zeros((3, 1, 1), dtype=torch.uint8), placeholder
             raise DataError(f"{self.image_dir}: {len(failures)} images in a row failed to decode "
                             f"(first: {failures[0][1]}): is the storage gone?")
-        if self.transforms is not None:
+        if isinstance(image, Encoded):
+            image.seed = seed  # transformed in the main process, after decoding (`decode_batch`)
+        elif self.transforms is not None:
             if seed is None:
                 image, target = self.transforms(image, target)
             else:

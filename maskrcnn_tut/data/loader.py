@@ -19,6 +19,7 @@ from torchvision.transforms import v2
 
 from ..errors import DataError
 from .coco import LOAD_FAILED_KEY, CocoDetection, coco_paths
+from .device_decode import decode_batch
 from .shapes import default_cache_dir
 
 
@@ -104,8 +105,11 @@ def loader_kwargs(workers: int, pin_memory: bool, persistent_workers: bool, pref
     return kwargs
 
 
-def build_train_loader(dataset: CocoDetection, cfg, rank: int, world_size: int) -> DataLoader:
-    """The training DataLoader: DistributedSampler when distributed, optional aspect grouping."""
+def build_train_loader(dataset: CocoDetection, cfg, rank: int, world_size: int,
+                       device: torch.device | None = None) -> DataLoader:
+    """The training DataLoader: DistributedSampler when distributed, optional aspect grouping;
+    with `--decode-on-device` its JPEGs are decoded on `device` as the batches arrive (`iterate`)."""
+    dataset.decode_device = device if cfg.decode_on_device else None
     if world_size > 1:
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                      seed=cfg.seed, drop_last=True)
@@ -206,6 +210,8 @@ def iterate(loader: DataLoader) -> Iterator:
                 failures = target.pop(LOAD_FAILED_KEY, None)
                 if failures:
                     dataset.record_load_failures(failures)
+            if dataset.decode_device is not None:
+                batch = decode_batch(*batch, dataset.transforms, dataset.decode_device, dataset.record_device_failure)
             yield batch
     except DataError as err:
         raise DataError(_worker_message(err)) from None
@@ -221,6 +227,7 @@ def batch_stream(loader: DataLoader, state) -> Iterator:
         loader.batch_sampler.set_epoch(state.epoch, skip=state.batch_in_epoch)
         for batch in iterate(loader):
             state.batch_in_epoch += 1
-            yield batch
+            if batch[0]:  # empty only when every image failed to decode on the device (counted)
+                yield batch
         state.epoch += 1
         state.batch_in_epoch = 0

@@ -1,0 +1,98 @@
+"""Time to accuracy: the main job with and without the fast path (`python -m maskrcnn_tut.bench
+time-to-accuracy`).
+
+Speed in img/s can hide a price in accuracy or in compiling; what a user waits for is the time until the
+model is good enough. Each variant runs `train.py` as the main job does (same preset, steps and
+schedule, `torchrun` with the same process count), evaluating every `eval_every` steps, one after the
+other on the same machine. Training seconds are summed from `metrics.jsonl` (evaluation left out, as
+it is the same for both); the print windows that took over twice the median window are counted apart
+as compiling (with `--compile-backbone` the first steps compile, and so does every new shape).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ..errors import BenchError
+from ..hardware import provenance
+from .results import BenchResult, python_call
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train.py"
+FAST_PATH = ("--fixed-shapes", "--compile-backbone", "--channels-last")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def training_seconds(metrics: list[dict], print_freq: int) -> tuple[list[tuple[int, float]], float]:
+    """Cumulative training seconds at each logged step, and the seconds of the windows that took
+    more than twice the median window (compiling), from `metrics.jsonl` rows (mean iter_time over
+    each window of `print_freq` steps; the last window may be shorter)."""
+    cumulative, total, previous_step = [], 0.0, 0
+    windows = []
+    for row in metrics:
+        steps = row["step"] - previous_step
+        previous_step = row["step"]
+        windows.append(row["iter_time"] * steps)
+        total += windows[-1]
+        cumulative.append((row["step"], total))
+    typical = statistics.median(row["iter_time"] for row in metrics) * print_freq
+    compiling = sum(w - typical for w in windows if w > 2 * typical)
+    return cumulative, compiling
+
+
+def time_to_accuracy(metric: str = "segm_AP50", target: float = 0.90, eval_every: int = 50, nprocs: int = 2,
+                     variants: dict[str, tuple[str, ...]] | None = None, extra_flags: tuple[str, ...] = (),
+                     print_freq: int = 10) -> BenchResult:
+    """Run the main job once per variant (default: eager, then the fast path's three flags) and
+    report the training seconds until `metric` first reached `target` at an evaluation."""
+    if eval_every % print_freq:
+        raise BenchError(f"--eval-every {eval_every} must be a multiple of the print frequency {print_freq}, "
+                         "so that every evaluation falls at the end of a logged window")
+    variants = variants or {"eager": (), "fast path (" + " ".join(FAST_PATH) + ")": FAST_PATH}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="time-to-accuracy-") as work:
+        for name, flags in variants.items():
+            out = Path(work) / f"run{len(rows)}"
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", str(TRAIN_SCRIPT),
+                   "--output-dir", str(out), "--eval-every", str(eval_every), "--print-freq", str(print_freq),
+                   "--no-progress", *extra_flags, *flags]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise BenchError(f"the {name} run failed (exit {done.returncode}): "
+                                 + (done.stderr.strip().splitlines() or ["no output"])[-1])
+            metrics, evals = _read_jsonl(out / "metrics.jsonl"), _read_jsonl(out / "eval.jsonl")
+            cumulative, compiling = training_seconds(metrics, print_freq)
+            at_step = dict(cumulative)
+            reached = next((e for e in evals if e[metric] >= target), None)
+            summary = json.loads((out / "summary.json").read_text())
+            rows.append({"variant": name, "steps": summary["steps"], "img/s": summary["train_img_per_s"],
+                         f"first eval with {metric} >= {target}": reached["step"] if reached else None,
+                         "training s to it": at_step.get(reached["step"]) if reached else None,
+                         "of it compiling s": compiling,
+                         "training s, all steps": cumulative[-1][1],
+                         f"final {metric}": summary[metric],
+                         f"{metric} by eval": ", ".join(f"{e['step']}: {e[metric]:.3f}" for e in evals),
+                         "curve": [(e["step"], at_step.get(e["step"]), e[metric]) for e in evals]})
+    eager = rows[0]["training s to it"]
+    for row in rows:
+        reached = row["training s to it"]
+        row["speed-up to target"] = eager / reached if eager and reached else None
+    notes = [f"The main job (`torchrun --nproc_per_node={nprocs} maskrcnn_tut/train.py`"
+             + (" " + " ".join(extra_flags) if extra_flags else "") + f"), evaluated every {eval_every} steps; "
+             "the variants ran one after the other in one invocation.",
+             f"Training seconds are summed from metrics.jsonl (evaluation left out); a target reached between two "
+             f"evaluations counts at the later one, so the resolution is {eval_every} steps.",
+             "'of it compiling s' is the time of the print windows that took more than twice the median window."]
+    command = python_call("bench.accuracy.time_to_accuracy", metric=metric, target=target, eval_every=eval_every,
+                          nprocs=nprocs, extra_flags=extra_flags or None)
+    columns = ["variant", "steps", "img/s", f"first eval with {metric} >= {target}", "training s to it",
+               "of it compiling s", "speed-up to target", "training s, all steps", f"final {metric}",
+               f"{metric} by eval"]
+    return BenchResult("time-to-accuracy", f"Training time to {metric} >= {target}, with and without the fast path",
+                       rows, columns, notes, provenance(command) | {"metric": metric, "target": target})
