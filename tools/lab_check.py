@@ -61,7 +61,7 @@ def _wait_for_server(url: str, lab: subprocess.Popen, timeout_s: float) -> None:
     raise SystemExit(f"error: JupyterLab did not answer at {url} within {timeout_s:.0f} s")
 
 
-def check(chapter: Path, screenshot: Path, timeout_s: float) -> dict:
+def check(chapter: Path, screenshot: Path, timeout_s: float, cell: int | None = None) -> dict:
     from playwright.sync_api import sync_playwright
 
     work = Path(tempfile.mkdtemp(prefix="lab-check-"))
@@ -98,9 +98,13 @@ def check(chapter: Path, screenshot: Path, timeout_s: float) -> dict:
             raw_glue = [i for i, c in enumerate(cells) if any("{glue" in o["text"] for o in c["outputs"])]
             prose = [i for i, c in enumerate(cells) if any(o["type"] == "display_data" and "text/markdown" in o["text"]
                                                           and re.search(r"\d", o["text"]) for o in c["outputs"])]
-            if prose:  # show the first paragraph of measured numbers, as the reader sees it
+            news = page.get_by_role("button", name="No")  # JupyterLab's "get news?" toast
+            if news.count():
+                news.first.click()
+            if prose:  # show a paragraph of measured numbers from the middle of the chapter, as the reader sees it
+                shown = prose[len(prose) // 2] if cell is None else cell
                 page.evaluate(f"""() => {{ const w = window.jupyterapp.shell.currentWidget.content;
-                    w.activeCellIndex = {prose[0]}; w.scrollToItem({prose[0]}, 'start'); }}""")
+                    w.activeCellIndex = {shown}; w.scrollToItem({shown}, 'start'); }}""")
                 page.wait_for_timeout(1500)
             screenshot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot))
@@ -118,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("chapter", type=Path)
     parser.add_argument("--screenshot", type=Path, default=Path("lab-check.png"))
     parser.add_argument("--timeout", type=float, default=300, help="seconds for running every cell")
+    parser.add_argument("--cell", type=int, help="the cell to scroll to for the screenshot (default: a measured "
+                                                 "paragraph from the middle of the chapter)")
     args = parser.parse_args(argv)
-    result = check(args.chapter, args.screenshot, args.timeout)
+    result = check(args.chapter, args.screenshot, args.timeout, args.cell)
     print(json.dumps(result, indent=2))
     failed = result["cells_with_errors"] or result["outputs_with_raw_glue"] or not result["cells_with_measured_prose"]
     if failed:
