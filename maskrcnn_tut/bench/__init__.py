@@ -11,8 +11,10 @@ runs the same functions: `python -m maskrcnn_tut.bench NAME [--out FILE] [--plot
   is then None).
 - `sweep_loader()`, `sweep_amp()`, `sweep_cudnn()`, `sweep_accum()`, `sweep_size()`,
   `sweep_channels_last()`, `sweep_fast_path()`: one technique each (`SWEEPS` by command name).
-- `gpu_suite(max_minutes=8)`: the table on every GPU, AMP, cudnn.benchmark and channels_last with
-  R50-FPN at 800 px, bounded in time; writes `book/results/<hardware>-<date>.json`
+- `overhead()`: what train.py's loop adds over the bare model step, in alternating rounds on one model.
+- `time_to_accuracy()`: the main job with and without the fast path, training seconds to a target AP.
+- `gpu_suite(max_minutes=8)`: the table on every GPU, AMP, cudnn.benchmark, channels_last and the fast
+  path with R50-FPN at 800 px, bounded in time; writes `book/results/<hardware>-<date>.json`
   (`python -m maskrcnn_tut.bench --suite gpu --max-minutes 8`). `load_suite(path)` reads it.
 - `measure(cfg, steps, warmup)`: the measurement underneath, in this process (callbacks get every
   `StepRecord`, e.g. `dashboard.LiveDashboard`); `bench_config(...)` the config it measures.
@@ -31,9 +33,11 @@ Config fields as keyword overrides (`table(batch_size=8)`, `sweep_amp(min_size=9
 
 Modules: `harness` (the measurement and its worker processes), `results` (BenchResult, its table,
 plots and files), `scaling` (the speed table, `table`), `sweeps`, `gpu` (the GPU suite), `cli` (the shell),
+`overhead`, `accuracy` (time to accuracy), `profile` (what a step's host time goes to),
 `cache` (`cached(fn, **args)`: each figure measured once per hardware and code, with its spread),
 `predict` (the article's table taken apart, scaling on paper, `scaling_curve`).
 """
+from .accuracy import time_to_accuracy
 from .cli import build_parser, main
 from .gpu import gpu_suite
 from .overhead import overhead
@@ -55,4 +59,5 @@ __all__ = [
     "overhead", "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
     "above", "cached", "describe_cache", "interval", "machine_busy", "predict", "scaling_curve", "spread_text", "timing_row", "versus",
+    "time_to_accuracy",
 ]

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     accuracy_cmd.add_argument("--target", type=float, default=0.90, help="the value to reach (default: 0.90)")
     accuracy_cmd.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (default: 50)")
     accuracy_cmd.add_argument("--nprocs", type=int, default=2, help="torchrun processes (default: 2, the main job)")
+    accuracy_cmd.add_argument("--variant", action="append", metavar="FLAGS",
+                              help="train.py flags of a variant to run after eager, e.g. --variant='--fixed-shapes' "
+                                   "(repeatable; default: the fast path's three flags)")
     accuracy_cmd.add_argument("--out", help="write the result as JSON to this file")
     accuracy_cmd.add_argument("--plot", help="save the result's plot to this image file")
     return parser
@@ -65,7 +68,9 @@ def run(args: argparse.Namespace, command: str) -> int:
         return 2
     options = {k: getattr(args, k) for k in OPTIONS if getattr(args, k, None) is not None}
     if args.command == "time-to-accuracy":
-        result = time_to_accuracy(args.metric, args.target, args.eval_every, args.nprocs)
+        variants = ({"eager": ()} | {flags: tuple(shlex.split(flags)) for flags in args.variant}
+                    if args.variant else None)
+        result = time_to_accuracy(args.metric, args.target, args.eval_every, args.nprocs, variants)
     elif args.command == "overhead":
         options.pop("data_path", None)
         options.update({k: getattr(args, k) for k in ("image_size", "rounds", "amp") if getattr(args, k) is not None})

@@ -1,4 +1,4 @@
-"""The GPU suite: one bounded run of the speed table, AMP, cudnn.benchmark and channels_last with
+"""The GPU suite: one bounded run of the speed table, AMP, cudnn.benchmark, channels_last and the fast path with
 R50-FPN (gpu-r50) on a GPU machine, written to `book/results/<hardware>-<date>.json`
 (`python -m maskrcnn_tut.bench --suite gpu --max-minutes 8`; `load_suite(path)` reads it back)."""
 from __future__ import annotations
@@ -12,20 +12,22 @@ import torch
 from ..errors import BenchError
 from ..hardware import provenance
 from .results import results_path
-from .sweeps import sweep_amp, sweep_channels_last, sweep_cudnn
+from .sweeps import sweep_amp, sweep_channels_last, sweep_cudnn, sweep_fast_path
 from .scaling import table
 
 #: (name, share of the time budget, settings measured) of the GPU suite, in running order.
-GPU_SUITE_PARTS = [("table", 0.4, 3), ("amp", 0.2, 3), ("cudnn", 0.25, 4), ("channels_last", 0.15, 2)]
+GPU_SUITE_PARTS = [("table", 0.3, 3), ("amp", 0.15, 3), ("cudnn", 0.2, 4), ("channels_last", 0.1, 2),
+                   ("fast_path", 0.25, 5)]
 #: Seconds a part needs besides its measured steps: process start, CUDA init, model build, warm-up.
 STARTUP_S = 30
-RUNNERS = {"table": table, "amp": sweep_amp, "cudnn": sweep_cudnn, "channels_last": sweep_channels_last}
+RUNNERS = {"table": table, "amp": sweep_amp, "cudnn": sweep_cudnn, "channels_last": sweep_channels_last,
+           "fast_path": sweep_fast_path}
 
 
 def gpu_suite(max_minutes: float = 8.0, results_dir: Path | str = "book/results", steps: int = 20,
               warmup: int = 5) -> Path:
-    """One bounded run on a GPU machine: the table on every GPU, AMP fp32/fp16/bf16, cudnn.benchmark
-    and channels_last, R50-FPN (gpu-r50) at 800 px; writes `<results_dir>/<hardware>-<date>.json`.
+    """One bounded run on a GPU machine: the table on every GPU, AMP fp32/fp16/bf16, cudnn.benchmark,
+    channels_last and the fast path's levers, R50-FPN (gpu-r50) at 800 px; writes `<results_dir>/<hardware>-<date>.json`.
     A part that fails is recorded with its error, and the others still run."""
     if not torch.cuda.is_available():
         raise BenchError("--suite gpu needs CUDA GPUs and this machine has none; on a CPU run "

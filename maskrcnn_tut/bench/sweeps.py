@@ -246,8 +246,8 @@ def sweep_fast_path(preset: str | None = None, steps: int = 12, warmup: int = 3,
                  {**fixed, "compile_backbone": True, "channels_last": True})]
     if not compiled:
         settings = [(label, knobs) for label, knobs in settings if not knobs.get("compile_backbone")]
-    skipped = [] if cuda else [("GPU-side JPEG decode", "needs CUDA (torchvision.io.decode_jpeg on the device) "
-                                "and JPEG data; the shapes data is PNG")]
+    skipped = [("JPEG decode on the device (--decode-on-device)", "the benchmark's shapes data is PNG, which stays "
+                "in the workers; time it with train.py on JPEG photos")]
     result = _sweep("fast_path", "Beyond the article: the fast path lever by lever", cfg, settings,
                     python_call("bench.sweep_fast_path", preset=preset, steps=steps, warmup=warmup,
                                 data_path=data_path, max_seconds=max_seconds, compiled=None if compiled else False,
