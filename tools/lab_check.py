@@ -35,7 +35,6 @@ CELLS_JS = """() => {
     const model = cell.model;
     const outputs = model.type === 'code' ? model.outputs.toJSON() : [];
     return {type: model.type, count: model.type === 'code' ? model.executionCount : null,
-            tags: model.getMetadata('tags') || [],
             outputs: outputs.map(o => ({type: o.output_type,
               text: JSON.stringify(o.data || o.text || o.evalue || '')}))};
   });

@@ -12,19 +12,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import itertools
 import time
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
-from maskrcnn_tut import distributed as du
-from maskrcnn_tut.bench.overhead import _bare_step
-from maskrcnn_tut.config import derive, make_config
-from maskrcnn_tut.data.loader import to_device
-from maskrcnn_tut.data.synthetic import synthetic_batch
-from maskrcnn_tut.engine import TrainState, build_optimizer, configure_runtime, make_scaler, train_step
-from maskrcnn_tut.model import build_model
+from maskrcnn_tut.bench.overhead import fixed_batch_rig
 
 
 def self_cpu_seconds(fn) -> tuple[float, collections.Counter]:
@@ -46,22 +38,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2, help="profiled (bare, train_step) pairs")
     parser.add_argument("--top", type=int, default=8, help="operators shown each way per pair")
     args = parser.parse_args()
-    device = du.init_distributed().device
-    cfg = derive(make_config(args.preset, amp=False, batch_size=2), 1, device)
-    configure_runtime(cfg, device)
-    batch = synthetic_batch(args.image_size, cfg.batch_size)
-    images, targets = to_device(*batch, device)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, num_classes=4).to(device).train()
-    optimizer, scaler, state, names = build_optimizer(model, cfg), make_scaler(cfg, device), TrainState(), []
-    batches = itertools.repeat(batch)
-
-    def bare():
-        _bare_step(model, optimizer, images, targets)
-
-    def step():
-        train_step(model, optimizer, scaler, batches, cfg, device, state, names)
-
+    rig = fixed_batch_rig(args.preset, args.image_size, batch_size=2, amp=False)
+    bare, step = rig.bare_step, rig.train_step
     bare(), step()  # warm-up
     for pair in range(1, args.pairs + 1):
         (bare_s, bare_ops), (step_s, step_ops) = self_cpu_seconds(bare), self_cpu_seconds(step)

@@ -20,16 +20,13 @@ from pathlib import Path
 
 from ..errors import BenchError
 from ..hardware import provenance
+from ..monitor import read_jsonl
 from .results import BenchResult, python_call
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train.py"
 #: The fast path's flags; batches of one orientation each (group factor 0), or fixed shapes pad mixed
 #: batches to a square and cost more pixels than they save.
 FAST_PATH = ("--fixed-shapes", "--aspect-ratio-group-factor", "0", "--compile-backbone", "--channels-last")
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def training_seconds(metrics: list[dict], print_freq: int) -> tuple[list[tuple[int, float]], float]:
@@ -71,7 +68,7 @@ def time_to_accuracy(metric: str = "segm_AP50", target: float = 0.90, eval_every
             if done.returncode != 0:
                 raise BenchError(f"the {name} run failed (exit {done.returncode}): "
                                  + (done.stderr.strip().splitlines() or ["no output"])[-1])
-            metrics, evals = _read_jsonl(out / "metrics.jsonl"), _read_jsonl(out / "eval.jsonl")
+            metrics, evals = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "eval.jsonl")
             cumulative, compiling = training_seconds(metrics, print_freq)
             at_step = dict(cumulative)
             reached = next((e for e in evals if e[metric] >= target), None)

@@ -35,7 +35,7 @@ from torchvision.transforms.v2 import functional as F
 
 from ..errors import DataError
 from .clean import DataReport, category_labels, clean_coco, load_coco_json, resize_fails
-from .device_decode import Encoded, read_encoded
+from .device_decode import Encoded, apply_transforms, read_encoded
 from .records import Records, cached_records
 
 log = logging.getLogger(__name__)
@@ -271,12 +271,7 @@ class CocoDetection(torch.utils.data.Dataset):
         if isinstance(image, Encoded):
             image.seed = seed  # transformed in the main process, after decoding (`decode_batch`)
         elif self.transforms is not None:
-            if seed is None:
-                image, target = self.transforms(image, target)
-            else:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(seed)
-                    image, target = self.transforms(image, target)
+            image, target = apply_transforms(self.transforms, image, target, seed)
         if failures:
             if get_worker_info() is None:  # the main process: its own report
                 self.record_load_failures(failures)

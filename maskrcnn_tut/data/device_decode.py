@@ -14,12 +14,14 @@ dropped from its batch and counted as `load_failed` (the worker's header check m
 """
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
-from torchvision import io, tv_tensors
+from torchvision import io as tv_io, tv_tensors
 
 #: EXIF tag of the orientation; 1 means "as stored".
 _ORIENTATION = 0x0112
@@ -37,15 +39,23 @@ class Encoded:
 def read_encoded(path: Path, width: int, height: int) -> Encoded | None:
     """The file's bytes when the device can decode them as they are, else None (decode on the CPU).
 
-    Reads only the header: the format, the size the start-up scan saw, the colour mode and the
-    EXIF orientation."""
-    with Image.open(path) as img:
+    The file is read once; PIL parses only its header from memory: the format, the size the
+    start-up scan saw, the colour mode and the EXIF orientation."""
+    raw = np.fromfile(path, dtype=np.uint8)  # an array of its own, so the tensor can move to the main process
+    with Image.open(io.BytesIO(raw)) as img:
         plain = (img.format == "JPEG" and img.size == (width, height) and img.mode in ("RGB", "L")
                  and img.getexif().get(_ORIENTATION, 1) == 1)
-    if not plain:
-        return None
-    # a tensor of its own storage: one that wraps the file's buffer cannot move to the main process
-    return Encoded(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).clone())
+    return Encoded(torch.from_numpy(raw)) if plain else None
+
+
+def apply_transforms(transforms, image, target, seed: int | None):
+    """`transforms(image, target)`, drawn from `seed` (the process's own RNG when None), leaving the
+    process's RNG as it was: augmentation is a function of the sample, wherever it runs."""
+    if seed is None:
+        return transforms(image, target)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transforms(image, target)
 
 
 def decode_batch(images: list, targets: list, transforms, device: torch.device, on_failure) -> tuple[list, list]:
@@ -57,7 +67,7 @@ def decode_batch(images: list, targets: list, transforms, device: torch.device, 
         return list(images), list(targets)
     data = [images[i].data for i in encoded]
     try:
-        decoded = io.decode_jpeg(data, mode=io.ImageReadMode.RGB, device=device)
+        decoded = tv_io.decode_jpeg(data, mode=tv_io.ImageReadMode.RGB, device=device)
     except RuntimeError:  # one bad file fails the whole call: decode one by one, the CPU as fallback
         decoded = [_decode_one(d, device) for d in data]
     images, targets = list(images), list(targets)
@@ -70,13 +80,7 @@ def decode_batch(images: list, targets: list, transforms, device: torch.device, 
         target = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in targets[i].items()}
         image = tv_tensors.Image(pixels)
         if transforms is not None:
-            seed = images[i].seed
-            if seed is None:
-                image, target = transforms(image, target)
-            else:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(seed)
-                    image, target = transforms(image, target)
+            image, target = apply_transforms(transforms, image, target, images[i].seed)
         images[i], targets[i] = image, target
     keep = [i for i in range(len(images)) if i not in dropped]
     return [images[i] for i in keep], [targets[i] for i in keep]
@@ -85,9 +89,9 @@ def decode_batch(images: list, targets: list, transforms, device: torch.device, 
 def _decode_one(data: torch.Tensor, device: torch.device):
     """One JPEG on `device`, else on the CPU (then moved), else the exception."""
     try:
-        return io.decode_jpeg(data, mode=io.ImageReadMode.RGB, device=device)
+        return tv_io.decode_jpeg(data, mode=tv_io.ImageReadMode.RGB, device=device)
     except RuntimeError:
         try:
-            return io.decode_jpeg(data, mode=io.ImageReadMode.RGB).to(device)
+            return tv_io.decode_jpeg(data, mode=tv_io.ImageReadMode.RGB).to(device)
         except RuntimeError as err:
             return err
