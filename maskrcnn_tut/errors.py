@@ -1,6 +1,6 @@
 """Every failure a user can cause or fix, as one family of exceptions.
 
-Each CLI (`train.py`, `python -m maskrcnn_tut.bench`, `python -m maskrcnn_tut.data.check`) catches
+Each CLI (`train.py`, `python -m maskrcnn_tut.lab.bench`, `python -m maskrcnn_tut.data.check`) catches
 `UserError` and nothing else: it prints `error: <message>` as one line and exits with the error's
 `exit_code`. Anything that is not a `UserError` is a bug of the package and keeps its traceback.
 
@@ -55,7 +55,7 @@ class UnusedParametersError(UserError):
 
 
 class WorkerError(UserError):
-    """A process started by `distributed.launch` failed; the message says which and why in one
+    """A process started by `processes.launch` failed; the message says which and why in one
     line, `details` holds the worker's traceback."""
 
     def __init__(self, message: str, details: str = ""):

@@ -19,24 +19,15 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from . import distributed as du
-from .hardware import device_memory_mb, peak_memory_mb
-from .nvml import GpuUnavailable, NvmlReader, run_cuda_devices
+from .hardware import peak_memory_mb
 
 log = logging.getLogger("maskrcnn_tut")
-
-#: The article's healthy ranges (「モニタリングとベンチマーク分析」).
-HEALTHY_GPU_UTIL = (70.0, 90.0)
-MAX_MEMORY_FRACTION = 0.9
 
 
 def read_jsonl(path: Path | str) -> list[dict]:
@@ -44,13 +35,6 @@ def read_jsonl(path: Path | str) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def step_row(record, global_batch: int, device: torch.device) -> dict:
-    """One step's figures with the keys of `metrics.jsonl` (what the plots and advice read)."""
-    return {"step": record.step, "loss": record.loss, "data_time": record.data_time,
-            "iter_time": record.iter_time, "img_per_s": global_batch / record.iter_time,
-            "max_mem_mb": peak_memory_mb(device)}
 
 
 class MetricsLogger:
@@ -123,100 +107,6 @@ class MetricsLogger:
 # --------------------------------------------------------------------------- GPUs through NVML
 
 
-class GPUSampler:
-    """A background thread that samples the run's GPUs' utilization % and memory every `interval_s`.
-
-    `devices` are CUDA indices (default: `run_cuda_devices()`, the GPU of this process), so a run
-    on GPU 0 of an 8-GPU machine is judged by GPU 0 alone. Without an NVIDIA GPU it does nothing
-    and says so: `available` is False and `reason` (also `describe()`) explains why. `reader`
-    replaces NVML (a callable returning one reading per GPU).
-
-        with GPUSampler() as gpus:
-            ...train...
-        print(gpus.describe())
-    """
-
-    def __init__(self, interval_s: float = 1.0, reader: Callable[[], list[dict]] | None = None,
-                 devices: Sequence[int] | None = None):
-        self.interval_s = interval_s
-        self.devices = None if devices is None else list(devices)
-        self.samples: list[dict] = []
-        self.reason = ""
-        self._reader = reader
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def available(self) -> bool:
-        return not self.reason
-
-    def start(self) -> GPUSampler:
-        try:
-            if self._reader is None:
-                self._reader = NvmlReader(run_cuda_devices() if self.devices is None else self.devices)
-            self._sample()
-        except GpuUnavailable as err:
-            self.reason = str(err)
-            return self
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        now = time.time()
-        self.samples.extend({"time": now, **reading} for reading in self._reader())
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-        if isinstance(self._reader, NvmlReader):
-            self._reader.close()
-            self._reader = None
-
-    def __enter__(self) -> GPUSampler:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def latest(self) -> list[dict]:
-        """The newest reading of each GPU ([] when not available)."""
-        newest: dict[int, dict] = {}
-        for sample in self.samples:
-            newest[sample["gpu"]] = sample
-        return [newest[gpu] for gpu in sorted(newest)]
-
-    def summary(self) -> list[dict]:
-        """Per GPU: mean utilization %, peak memory used and total (MiB), sample count."""
-        by_gpu: dict[int, list[dict]] = {}
-        for sample in self.samples:
-            by_gpu.setdefault(sample["gpu"], []).append(sample)
-        return [{"gpu": gpu, "nvml_index": samples[0].get("nvml_index", gpu),
-                 "util_mean": statistics.fmean(s["util"] for s in samples),
-                 "mem_used_max_mb": max(s["mem_used_mb"] for s in samples),
-                 "mem_total_mb": samples[0]["mem_total_mb"], "samples": len(samples)}
-                for gpu, samples in sorted(by_gpu.items())]
-
-    def describe(self) -> str:
-        if not self.available:
-            return f"GPU sampler: {self.reason}"
-        return "; ".join(f"{_gpu_name(g)}: {g['util_mean']:.0f} % busy, {g['mem_used_max_mb']:.0f} of "
-                         f"{g['mem_total_mb']:.0f} MiB at most ({g['samples']} samples)" for g in self.summary())
-
-
-def _gpu_name(gpu: dict) -> str:
-    """'GPU 0', with nvidia-smi's number beside it where the two differ (CUDA_VISIBLE_DEVICES)."""
-    number = gpu.get("nvml_index", gpu["gpu"])
-    return f"GPU {gpu['gpu']}" + (f" (nvidia-smi GPU {number})" if number != gpu["gpu"] else "")
-
-
 # --------------------------------------------------------------------------- stragglers
 
 
@@ -260,96 +150,4 @@ class StragglerCheck:
 
 # --------------------------------------------------------------------------- health advice
 
-
-def _median(rows: list[dict], key: str) -> float:
-    return statistics.median(row[key] for row in rows)
-
-
-@dataclass
-class HealthCheck:
-    name: str
-    ok: bool | None  # None: could not be measured here
-    message: str
-
-
-@dataclass
-class HealthReport:
-    """The article's three checks as plain-language advice; `ok` is False if any check failed."""
-
-    checks: list[HealthCheck] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(check.ok is not False for check in self.checks)
-
-    def __str__(self) -> str:
-        marks = {True: "ok  ", False: "FIX ", None: "n/a "}
-        return "\n".join(f"{marks[c.ok]} {c.name}: {c.message}" for c in self.checks)
-
-    def _repr_markdown_(self) -> str:
-        marks = {True: "**ok**", False: "**fix**", None: "n/a"}
-        return "\n".join(f"- {marks[c.ok]} {c.name}: {c.message}" for c in self.checks)
-
-
-def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,
-                  total_memory_mb: float | None = None) -> HealthReport:
-    """Check metric rows (and GPU samples) against the article's healthy ranges.
-
-    GPU utilization 70-90 %, data time below compute time, peak memory below 90 % of the device
-    (the GPU's memory from NVML, else `total_memory_mb`, else this machine's RAM).
-    """
-    if not rows:
-        raise ValueError("health_advice needs at least one metric row (train a few steps first)")
-    report = HealthReport()
-    if isinstance(gpus, GPUSampler):
-        unavailable = gpus.reason or "not measured (the sampler has no samples yet)"
-        gpus = gpus.summary()
-    else:
-        unavailable = "not measured (no GPU samples given)"
-    low, high = HEALTHY_GPU_UTIL
-    if not gpus:
-        report.checks.append(HealthCheck("GPU utilization", None, (
-            f"{unavailable}. On GPUs, below {low:.0f} % the GPU sits idle between kernels; here the "
-            "data-vs-compute check below tells whether the processor waits for data.")))
-    for gpu in gpus or []:
-        util = gpu["util_mean"]
-        if util < low:
-            advice = ("the GPU waits: usually for data (raise --workers, keep pin_memory on) or for the "
-                      "CPU to launch small kernels (raise --batch-size, use --amp)")
-        elif util > high:
-            advice = ("no idle gaps; utilization counts time with any kernel running, so check SM activity "
-                      "(DCGM) or a trace before calling it saturated; then more speed comes from less work per "
-                      "image (--amp, --channels-last) or from more GPUs")
-        else:
-            advice = "few idle gaps between kernels"
-        report.checks.append(HealthCheck(f"{_gpu_name(gpu)} utilization", util >= low,
-                                         f"{util:.0f} % of the time a kernel ran, on average (below {low:.0f} %: "
-                                         f"the GPU sits idle between kernels): {advice}."))
-    data, compute = _median(rows, "data_time"), statistics.median(r["iter_time"] - r["data_time"] for r in rows)
-    if data < compute:
-        message = (f"a step waits {data * 1000:.0f} ms for data and computes for {compute * 1000:.0f} ms "
-                   f"({100 * data / max(compute, 1e-9):.0f} %): the loader keeps up.")
-    else:
-        message = (f"a step waits {data * 1000:.0f} ms for data but computes for only {compute * 1000:.0f} ms: "
-                   "the processor starves. Raise --workers, keep --persistent-workers, use pin_memory on "
-                   "GPUs, or store images smaller / pre-decoded.")
-    report.checks.append(HealthCheck("data time < compute time", data < compute, message))
-    peak = max(row["max_mem_mb"] for row in rows)
-    if gpus:
-        fullest = max(gpus, key=lambda g: g["mem_used_max_mb"] / g["mem_total_mb"])
-        used = fullest["mem_used_max_mb"] / fullest["mem_total_mb"]
-        seen = f"{_gpu_name(fullest)} held up to {fullest['mem_used_max_mb']:.0f} of {fullest['mem_total_mb']:.0f} MiB"
-    else:
-        total = total_memory_mb or device_memory_mb(du.info().device)
-        used = peak / total if total else None
-        seen = f"peak {peak:.0f} of {total:.0f} MiB" if total else f"peak {peak:.0f} MiB"
-    if used is None:
-        report.checks.append(HealthCheck("memory < 90 %", None, f"{seen}; the device's total is unknown."))
-    elif used < MAX_MEMORY_FRACTION:
-        report.checks.append(HealthCheck("memory < 90 %", True, f"{seen} ({used:.0%}): room to spare."))
-    else:
-        report.checks.append(HealthCheck("memory < 90 %", False, (
-            f"{seen} ({used:.0%}): a slightly larger image or batch will run out of memory. Lower "
-            "--batch-size and add --accum-steps, enable --amp, or lower --max-size.")))
-    return report
 

@@ -14,18 +14,30 @@ import threading
 import time
 from pathlib import Path
 
-
 import torch
 
 from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut import distributed as du
 from maskrcnn_tut import rundir
 from maskrcnn_tut.config import Config, derive, validate
-from maskrcnn_tut.data.loader import (batch_stream, build_dataset, build_datasets, build_eval_loader,
-                                      build_train_loader, steps_per_epoch)
+from maskrcnn_tut.data.loader import (
+    batch_stream,
+    build_dataset,
+    build_datasets,
+    build_eval_loader,
+    build_train_loader,
+    steps_per_epoch,
+)
 from maskrcnn_tut.data.shapes import ensure_shapes_dataset
-from maskrcnn_tut.engine import (TrainState, autocast, build_optimizer, build_scheduler, configure_runtime,
-                                 make_scaler, train_step)
+from maskrcnn_tut.engine import (
+    TrainState,
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    configure_runtime,
+    make_scaler,
+    train_step,
+)
 from maskrcnn_tut.errors import Preempted, UserError, print_error
 from maskrcnn_tut.evaluate import coco_from_dict, evaluate
 from maskrcnn_tut.flags import parse_args

@@ -12,11 +12,12 @@ import sys
 import matplotlib.pyplot as plt
 import pytest
 import torch
-
 from conftest import subprocess_env
-from maskrcnn_tut import bench, config, engine, hardware
-from maskrcnn_tut.bench import sweeps
+
+from maskrcnn_tut import config, engine
 from maskrcnn_tut.errors import BenchError
+from maskrcnn_tut.lab import bench, machine
+from maskrcnn_tut.lab.bench import sweeps
 
 TINY = dict(min_size=64, max_size=96, batch_size=2)
 
@@ -43,7 +44,7 @@ def test_measure_times_the_training_step_after_warmup():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU table")
 def test_table_from_the_shell_writes_json_with_provenance(tmp_path):
     out = tmp_path / "t.json"
-    command = [sys.executable, "-m", "maskrcnn_tut.bench", "table", "--preset", "cpu-tiny", "--steps", "2",
+    command = [sys.executable, "-m", "maskrcnn_tut.lab.bench", "table", "--preset", "cpu-tiny", "--steps", "2",
                "--warmup", "1", "--min-size", "64", "--max-size", "96", "--batch-size", "2", "--nprocs", "2",
                "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=300)
@@ -63,7 +64,7 @@ def test_table_from_the_shell_writes_json_with_provenance(tmp_path):
     assert ddp["total MiB"] == pytest.approx(2 * ddp["peak MiB/device"], rel=0.3)
     for key in ("cpu", "cores", "gpus", "torch", "cuda", "cudnn", "nccl", "date"):
         assert key in result.provenance
-    assert result.provenance["command"] == "python -m maskrcnn_tut.bench " + " ".join(command[3:])
+    assert result.provenance["command"] == "python -m maskrcnn_tut.lab.bench " + " ".join(command[3:])
     assert "| setup |" in done.stdout and "Speed table" in done.stdout
 
 
@@ -91,7 +92,7 @@ def test_knob_note_compares_rows_that_differ_only_in_that_knob():
 
 def test_result_round_trips_and_renders(tmp_path):
     result = bench.BenchResult("amp", "AMP", [{"setting": "fp32", "img/s": 2.0, "peak MiB/device": 900.0}],
-                               bench.SWEEP_COLUMNS, ["bf16 skipped: no bf16 instructions"], hardware.provenance("test"))
+                               bench.SWEEP_COLUMNS, ["bf16 skipped: no bf16 instructions"], machine.provenance("test"))
     again = bench.BenchResult.load(result.save(tmp_path / "r.json"))
     assert again == result
     assert "| fp32 | 2 |" in again.to_markdown() and "- bf16 skipped" in again.to_markdown()
@@ -105,7 +106,7 @@ def test_gpu_suite_refuses_plainly_on_a_cpu_machine(capsys):
 
 
 def test_overhead_times_three_loops_on_one_model_and_counts_the_mask_heads_work():
-    from maskrcnn_tut.bench.overhead import LOOPS, overhead
+    from maskrcnn_tut.lab.bench.overhead import LOOPS, overhead
 
     result = overhead("cpu-tiny", image_size=64, batch_size=2, rounds=2, steps=1, warmup=1, max_size=96)
     assert [row["loop"] for row in result.rows] == list(LOOPS)
@@ -117,7 +118,7 @@ def test_overhead_times_three_loops_on_one_model_and_counts_the_mask_heads_work(
 
 
 def test_training_seconds_sum_the_windows_and_count_slow_ones_as_compiling():
-    from maskrcnn_tut.bench.accuracy import training_seconds
+    from maskrcnn_tut.lab.bench.accuracy import training_seconds
 
     rows = [{"step": 10, "iter_time": 5.0}, {"step": 20, "iter_time": 0.5}, {"step": 30, "iter_time": 0.5},
             {"step": 35, "iter_time": 0.6}]
@@ -127,7 +128,7 @@ def test_training_seconds_sum_the_windows_and_count_slow_ones_as_compiling():
 
 
 def test_time_to_accuracy_runs_each_variant_and_finds_the_first_eval_at_target(shapes_root):
-    from maskrcnn_tut.bench.accuracy import time_to_accuracy
+    from maskrcnn_tut.lab.bench.accuracy import time_to_accuracy
 
     tiny = ("--data-path", str(shapes_root), "--max-steps", "4", "--min-size", "64", "--max-size", "96",
             "--batch-size", "2", "--workers", "0")

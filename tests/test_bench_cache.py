@@ -9,10 +9,10 @@ import statistics
 import pytest
 import torch
 
-from maskrcnn_tut import bench
-from maskrcnn_tut.bench import cache, harness
-from maskrcnn_tut.bench.harness import Measurement
-from maskrcnn_tut.bench.results import BenchResult
+from maskrcnn_tut.lab import bench
+from maskrcnn_tut.lab.bench import cache, harness
+from maskrcnn_tut.lab.bench.harness import Measurement
+from maskrcnn_tut.lab.bench.results import BenchResult
 
 
 def fake_measurement(times: list[float], images: int = 4) -> Measurement:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from maskrcnn_tut import book
-from maskrcnn_tut.bench import predict
-from maskrcnn_tut.bench.results import BenchResult
+from maskrcnn_tut.lab import book
+from maskrcnn_tut.lab.bench import projection as predict
+from maskrcnn_tut.lab.bench.results import BenchResult
 
 
 def test_the_article_table_taken_apart():

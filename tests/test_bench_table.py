@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
-
 from conftest import subprocess_env
-from maskrcnn_tut import bench
-from maskrcnn_tut.bench import scaling
+
 from maskrcnn_tut.errors import BenchError
+from maskrcnn_tut.lab import bench
+from maskrcnn_tut.lab.bench import scaling
 
 
 def _fake_measurement(processes: int, images: int) -> bench.Measurement:
@@ -115,7 +115,7 @@ def test_failed_bench_worker_reaches_the_shell_as_one_line():
     """Data of your own with fewer images than one batch: the worker's loader raises, the shell
     user reads one line (the worker's traceback stays in WorkerError.details)."""
     too_small = bench.bench_dataset(1)  # 32 images
-    command = [sys.executable, "-m", "maskrcnn_tut.bench", "amp", "--preset", "cpu-tiny", "--data-path", str(too_small),
+    command = [sys.executable, "-m", "maskrcnn_tut.lab.bench", "amp", "--preset", "cpu-tiny", "--data-path", str(too_small),
                "--batch-size", "64", "--steps", "1", "--warmup", "1", "--min-size", "64", "--max-size", "96"]
     done = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
@@ -125,7 +125,7 @@ def test_failed_bench_worker_reaches_the_shell_as_one_line():
 
 
 def test_bad_setting_reaches_the_shell_as_one_line():
-    command = [sys.executable, "-m", "maskrcnn_tut.bench", "table", "--preset", "cpu-tiny", "--min-size", "-5"]
+    command = [sys.executable, "-m", "maskrcnn_tut.lab.bench", "table", "--preset", "cpu-tiny", "--min-size", "-5"]
     done = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [line for line in done.stderr.strip().splitlines()

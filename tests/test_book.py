@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from maskrcnn_tut import book
+from maskrcnn_tut.lab import book
 
 ROOT = Path(__file__).resolve().parent.parent
 

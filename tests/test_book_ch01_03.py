@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from maskrcnn_tut import basics, bench, memory, proofs
-from maskrcnn_tut.bench.results import BenchResult
 from maskrcnn_tut.config import make_config
+from maskrcnn_tut.lab import article, bench, memory, proofs
+from maskrcnn_tut.lab.bench.results import BenchResult
 
 REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = ["00_preface", "01_why_multiple_gpus", "02_system_and_setup", "03_dataloader_tuning"]
@@ -110,15 +110,15 @@ def test_fixed_bytes_uses_the_presets_optimizer():
 
 def test_the_articles_own_arithmetic():
     # 118,287 images at the article's 5.2 img/s: about 3 days for 12 epochs, about 7 for 26
-    assert basics.coco_days(5.2, 12, 118_287) == pytest.approx(3.16, abs=0.01)
-    assert basics.coco_days(5.2, 26, 118_287) == pytest.approx(6.85, abs=0.01)
-    rows = basics.coco_days_table([{"source": "a", "img/s": 5.2},
+    assert bench.projection.coco_days(5.2, 12, 118_287) == pytest.approx(3.16, abs=0.01)
+    assert bench.projection.coco_days(5.2, 26, 118_287) == pytest.approx(6.85, abs=0.01)
+    rows = bench.projection.coco_days_table([{"source": "a", "img/s": 5.2},
                                    {"source": "b", "img/s": 2.0, "img/s lo": 1.0, "img/s hi": 4.0}], 118_287)
     assert rows[0]["26 epochs (torchvision reference), days"] == pytest.approx(6.85, abs=0.01)
     assert "days range" not in rows[0]
     low, high = (float(x) for x in rows[1]["days range"].split("-"))
-    assert low == pytest.approx(basics.coco_days(4.0, 26, 118_287), rel=1e-2)
-    assert high == pytest.approx(basics.coco_days(1.0, 26, 118_287), rel=1e-2)
+    assert low == pytest.approx(bench.projection.coco_days(4.0, 26, 118_287), rel=1e-2)
+    assert high == pytest.approx(bench.projection.coco_days(1.0, 26, 118_287), rel=1e-2)
 
 
 # --------------------------------------------------------------------------- set_epoch and the loader verdict
@@ -126,11 +126,11 @@ def test_the_articles_own_arithmetic():
 
 def test_set_epoch_changes_the_order_and_ranks_do_not_overlap(shapes_root):
     cfg = make_config("cpu-tiny", data_path=str(shapes_root), workers=0, progress=False)
-    without = basics.first_batches(cfg, set_epoch=False)
-    with_it = basics.first_batches(cfg, set_epoch=True)
+    without = proofs.first_batches(cfg, set_epoch=False)
+    with_it = proofs.first_batches(cfg, set_epoch=True)
     assert without[0] == without[1] == with_it[0]
     assert with_it[1] != with_it[0]
-    rank1 = basics.first_batches(cfg, set_epoch=True, rank=1)
+    rank1 = proofs.first_batches(cfg, set_epoch=True, rank=1)
     assert not set(rank1[0]) & set(with_it[0])
 
 
@@ -147,17 +147,17 @@ def _row(workers: int, img_s: float, compute_ms: float, spread: float | None = N
 
 
 def test_loader_verdict():
-    slower = basics.loader_verdict(_sweep([_row(0, 10.0, 90.0, 0.02), _row(1, 8.0, 120.0, 0.02)]))
+    slower = bench.loader_verdict(_sweep([_row(0, 10.0, 90.0, 0.02), _row(1, 8.0, 120.0, 0.02)]))
     assert slower["verdict"] == "slower" and slower["ratio"] == pytest.approx(0.8)
     assert slower["bound"] == pytest.approx(0.1) and slower["compute change"] == pytest.approx(1 / 3)
-    noisy = basics.loader_verdict(_sweep([_row(0, 10.0, 90.0, 0.2), _row(1, 11.0, 90.0, 0.2)]))
+    noisy = bench.loader_verdict(_sweep([_row(0, 10.0, 90.0, 0.2), _row(1, 11.0, 90.0, 0.2)]))
     assert noisy["verdict"] == "too noisy to tell"
     # without a spread: the sweeps' no-difference threshold decides
-    flat = basics.loader_verdict(_sweep([_row(0, 10.0, 90.0), _row(2, 10.0 * (1 + bench.NO_DIFFERENCE / 2), 90.0)]))
+    flat = bench.loader_verdict(_sweep([_row(0, 10.0, 90.0), _row(2, 10.0 * (1 + bench.NO_DIFFERENCE / 2), 90.0)]))
     assert flat["verdict"] == "too noisy to tell"
     # data is 10 ms of a 100 ms step: workers can save at most 10 %
-    assert basics.loader_verdict(_sweep([_row(0, 10.0, 90.0), _row(2, 11.0, 90.0)]))["verdict"] == "faster"
-    assert (basics.loader_verdict(_sweep([_row(0, 10.0, 90.0), _row(2, 13.0, 90.0)]))["verdict"]
+    assert bench.loader_verdict(_sweep([_row(0, 10.0, 90.0), _row(2, 11.0, 90.0)]))["verdict"] == "faster"
+    assert (bench.loader_verdict(_sweep([_row(0, 10.0, 90.0), _row(2, 13.0, 90.0)]))["verdict"]
             == "more than the loader could save")
 
 
@@ -165,10 +165,10 @@ def test_loader_verdict():
 
 
 def test_stack_today_reads_the_report():
-    report = [{"": "PyTorch / torchvision", "this machine": "9.9 / 8.8"}, {"": basics.CUDA_ROW, "this machine": "99.0"},
+    report = [{"": "PyTorch / torchvision", "this machine": "9.9 / 8.8"}, {"": article.CUDA_ROW, "this machine": "99.0"},
               {"": "GPUs", "this machine": "none visible"}, {"": "NCCL", "this machine": "x"},
               {"": "distributed backends", "this machine": "gloo"}, {"": "Python", "this machine": "3.x"}]
-    rows = basics.stack_today(report)
+    rows = article.stack_today(report)
     mine = {row["the article"].split()[0]: row["this machine"] for row in rows}
     assert mine["PyTorch"] == "9.9 / 8.8" and mine["CUDA"].startswith("CUDA 99.0")
     launch = next(row for row in rows if "torch.distributed.launch" in row["the article"])

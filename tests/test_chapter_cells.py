@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import nbformat
 import pytest
 
-from maskrcnn_tut import book
-from maskrcnn_tut.bench import BenchResult
+from maskrcnn_tut.lab import book
+from maskrcnn_tut.lab.bench import BenchResult
 
 BOOK = Path(__file__).resolve().parent.parent / "book"
 

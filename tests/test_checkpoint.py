@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+
 from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut.errors import CheckpointError
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import REPO, subprocess_env
-from maskrcnn_tut.distributed import free_port
+
+from maskrcnn_tut.lab.processes import free_port
 
 CLUSTER = REPO / "tools" / "cluster"
 SBATCH = CLUSTER / "train.sbatch"

@@ -2,12 +2,11 @@
 import subprocess
 
 import pytest
+from conftest import PYTHON, TRAIN_SCRIPT
 
-from maskrcnn_tut.config import PRESETS, REFERENCE_BATCH, Config, make_config
+from maskrcnn_tut.config import PRESETS, REFERENCE_BATCH, make_config
 from maskrcnn_tut.errors import ConfigError
 from maskrcnn_tut.flags import build_parser, parse_args
-
-from conftest import PYTHON, TRAIN_SCRIPT
 
 
 def test_flags_override_the_preset_and_epochs_override_its_step_budget():

@@ -4,12 +4,12 @@ import subprocess
 
 import pytest
 import torch
-
 from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+
 from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut.config import make_config, validate
 from maskrcnn_tut.errors import ConfigError
-from maskrcnn_tut.distributed import free_port
+from maskrcnn_tut.lab.processes import free_port
 
 INVALID = [  # (setting, value, the flag the message must name)
     ("batch_size", 0, "--batch-size"), ("epochs", 0, "--epochs"), ("accum_steps", 0, "--accum-steps"),

@@ -10,17 +10,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from broken_coco import EXIF_REFERENCE, write_broken_coco
 from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+from PIL import Image
+
 from maskrcnn_tut.config import make_config
 from maskrcnn_tut.data import check
 from maskrcnn_tut.data.clean import PROBLEMS
 from maskrcnn_tut.data.coco import LOAD_FAILED_KEY, CocoDetection, coco_paths, read_rgb
 from maskrcnn_tut.data.loader import batch_stream, build_train_loader, train_transforms
-from maskrcnn_tut.distributed import free_port
 from maskrcnn_tut.errors import DataError
+from maskrcnn_tut.lab.processes import free_port
 
 #: Kinds that only happen while training runs (a file that breaks after the start-up scan).
 RUNTIME_KINDS = {"load_failed"}

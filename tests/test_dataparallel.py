@@ -4,8 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from maskrcnn_tut.dataparallel import (DataParallelUnavailable, DetectionDataParallel, explain_unavailable, parallel_forward,
-                                       gather_detections, gather_losses, move_to, split_batch)
+from maskrcnn_tut.lab.dataparallel import (
+    DataParallelUnavailable,
+    DetectionDataParallel,
+    explain_unavailable,
+    gather_detections,
+    gather_losses,
+    move_to,
+    parallel_forward,
+    split_batch,
+)
 
 
 def _batch(n: int):

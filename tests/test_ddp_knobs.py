@@ -1,6 +1,6 @@
 """wrap_ddp passes the config's DDP knobs through, and an unused parameter gives a clear error.
 
-Two gloo processes started by `distributed.launch` (the worker functions are importable by the
+Two gloo processes started by `processes.launch` (the worker functions are importable by the
 spawned children because pytest puts tests/ on sys.path).
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ from maskrcnn_tut import distributed as du
 from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.engine import TrainState, build_optimizer, make_scaler, train_step
 from maskrcnn_tut.errors import UnusedParametersError
-from maskrcnn_tut.proofs import TinyDetector, toy_batches
+from maskrcnn_tut.lab import processes
+from maskrcnn_tut.lab.proofs import TinyDetector, toy_batches
 
 DEFAULTS: dict = {}
 CHANGED = dict(bucket_cap_mb=1.5, gradient_as_bucket_view=False, static_graph=True, broadcast_buffers=False,
@@ -62,7 +63,7 @@ def unused_layer_both_ways() -> list[str]:
 
 
 def test_config_knobs_reach_ddp():
-    default, changed, compressed = du.launch(
+    default, changed, compressed = processes.launch(
         ddp_attributes, 2, [DEFAULTS, CHANGED, {"grad_compression": "fp16"}])
     cfg = make_config("cpu-tiny")
     assert default == {"bucket_cap_mb": cfg.bucket_cap_mb, "gradient_as_bucket_view": cfg.gradient_as_bucket_view,
@@ -74,6 +75,6 @@ def test_config_knobs_reach_ddp():
 
 
 def test_unused_parameter_gives_the_flag_to_use():
-    without_flag, with_flag = du.launch(unused_layer_both_ways, 2)
+    without_flag, with_flag = processes.launch(unused_layer_both_ways, 2)
     assert without_flag.startswith("UnusedParametersError") and "--find-unused-parameters" in without_flag
     assert with_flag == "trained"

@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 import torch
+from conftest import PYTHON, TRAIN_SCRIPT, run_flags, subprocess_env
 from PIL import Image
 
-from conftest import PYTHON, TRAIN_SCRIPT, run_flags, subprocess_env
 from maskrcnn_tut.data.coco import CocoDetection
 from maskrcnn_tut.data.device_decode import Encoded, decode_batch
 from maskrcnn_tut.data.loader import train_transforms

@@ -1,16 +1,22 @@
 """The training step: accumulation equals the large batch, DDP syncs once per optimizer step,
 the schedule warms up, and a non-finite loss stops the step with a clear error."""
 import math
+import time
 
 import pytest
 import torch
 
-import time
-
-from maskrcnn_tut import distributed, proofs
 from maskrcnn_tut.config import derive, make_config
-from maskrcnn_tut.engine import TrainState, amp_dtype, build_optimizer, lr_schedule, make_scaler, train_step
+from maskrcnn_tut.engine import (
+    TrainState,
+    amp_dtype,
+    build_optimizer,
+    lr_schedule,
+    make_scaler,
+    train_step,
+)
 from maskrcnn_tut.errors import NonFiniteLossError
+from maskrcnn_tut.lab import processes, proofs
 
 
 @pytest.mark.parametrize("accum_steps,batch_size", [(2, 3), (4, 2)])
@@ -29,7 +35,7 @@ def test_accumulation_is_not_a_sum_of_unscaled_losses():
 
 
 def test_ddp_accumulation_across_two_processes_syncs_once_per_step():
-    result = distributed.launch(proofs.ddp_accumulation_check, 2, 4, 2)
+    result = processes.launch(proofs.ddp_accumulation_check, 2, 4, 2)
     assert result["max_abs_diff"] < 1e-6
     assert result["allreduce_calls_accumulated"] == 1  # one bucket, one sync per optimizer step
     assert result["allreduce_calls_every_micro_step"] == 4

@@ -1,9 +1,9 @@
 """COCO evaluation: perfect predictions score 1.0, degraded ones less, shards never overlap."""
 import torch
 
+from maskrcnn_tut.config import make_config
 from maskrcnn_tut.data.coco import CocoDetection, coco_paths
 from maskrcnn_tut.data.loader import build_eval_loader
-from maskrcnn_tut.config import make_config
 from maskrcnn_tut.evaluate import coco_from_dict, coco_metrics, to_coco_results
 
 

@@ -4,16 +4,15 @@ touching the last good checkpoint, and a dead or hung peer never leaves a rank w
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import PYTHON, REPO, TRAIN_SCRIPT, run_flags, subprocess_env
+
 from maskrcnn_tut import checkpoint as ckpt
-from maskrcnn_tut.distributed import free_port
+from maskrcnn_tut.lab.processes import free_port
 from maskrcnn_tut.monitor import read_jsonl
 
 FAULTY_TRAIN = REPO / "tests" / "faulty_train.py"

@@ -7,10 +7,16 @@ import pytest
 import torch
 
 from maskrcnn_tut import checkpoint as ckpt
-from maskrcnn_tut import distributed as du
 from maskrcnn_tut.config import derive, make_config
-from maskrcnn_tut.engine import TrainState, build_optimizer, configure_runtime, make_scaler, train_step
-from maskrcnn_tut.data.synthetic import synthetic_batch
+from maskrcnn_tut.engine import (
+    TrainState,
+    build_optimizer,
+    configure_runtime,
+    make_scaler,
+    train_step,
+)
+from maskrcnn_tut.lab import processes
+from maskrcnn_tut.lab.synthetic import synthetic_batch
 from maskrcnn_tut.model import build_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -41,7 +47,7 @@ def test_bf16_autocast_needs_no_scaler():
 
 
 def test_nccl_group_of_one_and_ddp_train_a_step(monkeypatch):
-    monkeypatch.setenv("MASTER_PORT", str(du.free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(processes.free_port()))
     for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
         monkeypatch.setenv(name, value)
     torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",

@@ -10,17 +10,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import PYTHON, subprocess_env
 from PIL import Image
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
-from conftest import PYTHON, subprocess_env
 from maskrcnn_tut.config import make_config
 from maskrcnn_tut.data.clean import MAX_ASPECT_RATIO, resize_fails
 from maskrcnn_tut.data.coco import LOAD_FAILED_KEY, CocoDetection, coco_paths
 from maskrcnn_tut.data.loader import batch_stream, build_eval_loader, build_train_loader
 from maskrcnn_tut.data.shapes import CATEGORIES
 from maskrcnn_tut.errors import DataError
-from maskrcnn_tut.evaluate import coco_from_dict, coco_metrics, evaluate, to_coco_results
+from maskrcnn_tut.evaluate import (
+    coco_from_dict,
+    coco_metrics,
+    evaluate,
+    to_coco_results,
+)
 
 SQUARE = [4.0, 4.0, 40.0, 4.0, 40.0, 40.0, 4.0, 40.0]
 

@@ -1,4 +1,4 @@
-"""distributed.launch: 2 gloo processes from a test and from a notebook cell, errors, cleanup.
+"""processes.launch: 2 gloo processes from a test and from a notebook cell, errors, cleanup.
 
 The worker functions below are importable by the spawned children because pytest puts tests/
 on sys.path, which `spawn` hands down to them.
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from maskrcnn_tut import distributed as du
+from maskrcnn_tut.lab import processes
 
 
 def rank_and_pid(tag: str) -> list[dict]:
@@ -49,7 +50,7 @@ def _no_children_left() -> bool:
 
 
 def test_two_processes_return_rank_zeros_result_and_stream_output(capsys):
-    gathered = du.launch(rank_and_pid, 2, "hello")
+    gathered = processes.launch(rank_and_pid, 2, "hello")
     assert [g["rank"] for g in gathered] == [0, 1]
     assert {g["world"] for g in gathered} == {2} and {g["backend"] for g in gathered} == {"gloo"}
     assert len({g["pid"] for g in gathered} | {os.getpid()}) == 3  # two fresh processes
@@ -61,7 +62,7 @@ def test_two_processes_return_rank_zeros_result_and_stream_output(capsys):
 def test_worker_exception_becomes_workererror_with_traceback():
     started = time.monotonic()
     with pytest.raises(du.WorkerError) as caught:
-        du.launch(fail_on_rank_one, 2, timeout_s=120)
+        processes.launch(fail_on_rank_one, 2, timeout_s=120)
     message = str(caught.value)
     assert "worker 1 failed" in message and "ValueError: rank one is broken" in message
     assert "\n" not in message and "Traceback" in caught.value.details  # one line; the traceback in details
@@ -71,18 +72,18 @@ def test_worker_exception_becomes_workererror_with_traceback():
 
 def test_worker_that_dies_without_a_word_is_reported():
     with pytest.raises(du.WorkerError, match="worker 1 died with exit code 3"):
-        du.launch(exit_hard_on_rank_one, 2, timeout_s=120)
+        processes.launch(exit_hard_on_rank_one, 2, timeout_s=120)
     assert _no_children_left()
 
 
 def test_unpicklable_result_is_an_error_not_a_hang():
     with pytest.raises(du.WorkerError, match="cannot be sent back"):
-        du.launch(return_unpicklable, 1)
+        processes.launch(return_unpicklable, 1)
     assert _no_children_left()
 
 
 def test_workers_may_start_dataloader_workers():
-    assert du.launch(load_with_workers, 1) == [0, 1, 2, 3]
+    assert processes.launch(load_with_workers, 1) == [0, 1, 2, 3]
 
 
 def test_launch_from_a_notebook_cell(tmp_path):
@@ -90,7 +91,7 @@ def test_launch_from_a_notebook_cell(tmp_path):
     nbclient = pytest.importorskip("nbclient")
     cells = [
         "from maskrcnn_tut import distributed as du, proofs\n"
-        "result = du.launch(proofs.ddp_accumulation_check, 2)\n"
+        "result = processes.launch(proofs.ddp_accumulation_check, 2)\n"
         "print('world', result['world_size'], 'diff', result['max_abs_diff'])",
         "import multiprocessing\nprint('children left:', len(multiprocessing.active_children()))",
     ]

@@ -5,7 +5,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from maskrcnn_tut.config import make_config
-from maskrcnn_tut.memory import breakdown, measure_growth, memory_table
+from maskrcnn_tut.lab.memory import breakdown, measure_growth, memory_table
 from maskrcnn_tut.model import build_model
 
 

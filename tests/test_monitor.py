@@ -16,11 +16,20 @@ from torch import nn
 
 from maskrcnn_tut import distributed as du
 from maskrcnn_tut.config import derive, make_config
-from maskrcnn_tut.dashboard import LiveDashboard, plot_metrics
-from maskrcnn_tut.engine import StepRecord, TrainState, build_optimizer, make_scaler, train_step
+from maskrcnn_tut.engine import (
+    StepRecord,
+    TrainState,
+    build_optimizer,
+    make_scaler,
+    train_step,
+)
 from maskrcnn_tut.hardware import peak_memory_mb, reset_peak_memory
-from maskrcnn_tut.monitor import GPUSampler, StragglerCheck, health_advice
-from maskrcnn_tut.proofs import TinyDetector, toy_batches
+from maskrcnn_tut.lab import processes
+from maskrcnn_tut.lab.dashboard import LiveDashboard, plot_metrics
+from maskrcnn_tut.lab.gpus import GPUSampler
+from maskrcnn_tut.lab.health import health_advice
+from maskrcnn_tut.lab.proofs import TinyDetector, toy_batches
+from maskrcnn_tut.monitor import StragglerCheck
 
 
 def record(step: int, rank_times: list[float], data_time: float = 0.01, iter_time: float = 0.5) -> StepRecord:
@@ -116,7 +125,7 @@ def test_dashboard_in_a_notebook_leaves_one_static_figure(tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     source = ("from maskrcnn_tut.engine import StepRecord\n"
-              "from maskrcnn_tut.dashboard import LiveDashboard\n"
+              "from maskrcnn_tut.lab.dashboard import LiveDashboard\n"
               "dashboard = LiveDashboard(global_batch=4, total_steps=6, redraw_every=3)\n"
               "for step in range(1, 7):\n"
               "    dashboard(StepRecord(step, 0, 0.1, 1.0 / step, {}, 0.01, 0.5, [0.49]))\n"
@@ -259,7 +268,7 @@ class SlowForward(nn.Module):
 
 
 def straggler_steps(delays: dict[str, list[float]], steps: int = 6) -> dict:
-    """Run inside `distributed.launch`: DDP steps through `engine.train_step` with rank r's forward
+    """Run inside `processes.launch`: DDP steps through `engine.train_step` with rank r's forward
     slowed by delays[name][r]; each setting's StragglerCheck warnings and forward times."""
     info = du.info()
     cfg = derive(make_config("cpu-tiny", optimizer="sgd", lr=1e-3, weight_decay=0.0), info.world_size, info.device)
@@ -279,7 +288,7 @@ def straggler_steps(delays: dict[str, list[float]], steps: int = 6) -> dict:
 
 
 def test_straggler_check_fires_under_ddp_on_the_slowed_rank():
-    result = du.launch(straggler_steps, 2, {"slowed": [0.02, 0.08], "even": [0.02, 0.02]}, backend="gloo")
+    result = processes.launch(straggler_steps, 2, {"slowed": [0.02, 0.08], "even": [0.02, 0.02]}, backend="gloo")
     slowed, even = result["slowed"], result["even"]
     assert len(slowed["warnings"]) == 1 and "rank 1 needed" in slowed["warnings"][0], slowed
     assert all(times[1] > times[0] + 0.04 for times in slowed["forward"])  # the wait is not in rank 0's time

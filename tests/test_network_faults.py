@@ -17,10 +17,11 @@ import time
 
 import pytest
 import torch.distributed as dist
-
 from conftest import PYTHON, subprocess_env
+
 from maskrcnn_tut import distributed as du
 from maskrcnn_tut.errors import RendezvousError, UserError
+from maskrcnn_tut.lab.processes import free_port
 
 JOIN_SCRIPT = """
 import sys, time
@@ -102,7 +103,7 @@ def test_a_port_that_accepts_and_never_answers_fails_within_the_timeout(silent_p
     pointed at a port where nothing listens, says it could not reach rank 0."""
     timeout_s = 3
     procs = [_start_rank(0, silent_port, timeout_s), _start_rank(1, silent_port, timeout_s),
-             _start_rank(1, du.free_port(), timeout_s)]
+             _start_rank(1, free_port(), timeout_s)]
     results = [_finish(proc, 60) for proc in procs]
     for proc, (out, err, _) in zip(procs, results):
         assert "Traceback" not in err and "joined" not in out, err[-2000:]
@@ -142,6 +143,7 @@ def test_a_dead_peer_is_still_a_dead_peer():
 INTERRUPT_SCRIPT = """
 import sys, time
 from maskrcnn_tut import distributed as du
+from maskrcnn_tut.lab import processes
 def main():
     try:
         print("ready", flush=True)

@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from maskrcnn_tut import distributed as du
-from maskrcnn_tut import preflight
+from maskrcnn_tut.lab import gpus, preflight, processes
 
 
 def test_shm_report_says_how_big_and_what_to_do(tmp_path, monkeypatch):
@@ -86,7 +85,7 @@ class FakeNvml:
 
 def test_gpu_health_flags_ecc_errors_and_throttling():
     nvml = FakeNvml()
-    healthy, sick = preflight.gpu_health(nvml)
+    healthy, sick = gpus.gpu_health(nvml)
     assert healthy["ok"] and healthy["finding"] == "healthy" and healthy["PCIe"] == "gen 4 x16"
     assert not sick["ok"] and "3 uncorrected ECC errors" in sick["finding"] and "0x40" in sick["finding"]
     assert "91 °C" in sick["finding"] and nvml.shut
@@ -96,11 +95,11 @@ def test_gpu_health_without_nvidia_is_empty():
     class NoDriver(FakeNvml):
         def nvmlInit(self):
             raise RuntimeError("NVML Shared Library Not Found")
-    assert preflight.gpu_health(NoDriver()) == []
+    assert gpus.gpu_health(NoDriver()) == []
 
 
 def test_allreduce_bandwidth_across_two_gloo_processes():
-    rows = du.launch(preflight.allreduce_bandwidth, 2, (0.25, 1.0), 2, backend="gloo", timeout_s=120)
+    rows = processes.launch(preflight.allreduce_bandwidth, 2, (0.25, 1.0), 2, backend="gloo", timeout_s=120)
     assert [row["MB"] for row in rows] == [0.25, 1.0]
     for row in rows:
         assert row["processes"] == 2 and row["backend"] == "gloo" and row["ms min"] <= row["ms"] <= row["ms max"]

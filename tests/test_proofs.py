@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from maskrcnn_tut import distributed as du
-from maskrcnn_tut import proofs
+from maskrcnn_tut.lab import processes, proofs
 
 META = torch.device("meta")
 
@@ -54,6 +54,6 @@ def test_accumulation_check_is_exact_on_the_cpu():
 
 def test_demo_processes_need_two_gpus_for_nccl(monkeypatch):
     monkeypatch.setattr(proofs, "gpu_count", lambda: 1)
-    assert proofs.demo_processes() == (2, "gloo")
+    assert processes.demo_processes() == (2, "gloo")
     monkeypatch.setattr(proofs, "gpu_count", lambda: 8)
-    assert proofs.demo_processes() == (8, None)
+    assert processes.demo_processes() == (8, None)

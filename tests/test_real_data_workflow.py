@@ -5,9 +5,9 @@ import logging
 import subprocess
 
 import torch
+from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
 from torch import nn
 
-from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
 from maskrcnn_tut.config import make_config
 from maskrcnn_tut.data.coco import CocoDetection, coco_paths
 from maskrcnn_tut.data.loader import build_eval_loader

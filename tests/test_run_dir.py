@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, TRAIN_SCRIPT, run_flags, subprocess_env
+
 from maskrcnn_tut import checkpoint as ckpt
-from maskrcnn_tut.distributed import free_port
+from maskrcnn_tut.lab.processes import free_port
 from maskrcnn_tut.monitor import read_jsonl
 
 

@@ -12,10 +12,15 @@ from torch import nn
 
 matplotlib.use("Agg")
 
-from maskrcnn_tut import bench  # noqa: E402  (first: memory and bench import each other)
-from maskrcnn_tut import article, diagrams, memory, timeline, traces  # noqa: E402
 from maskrcnn_tut.config import make_config  # noqa: E402
-
+from maskrcnn_tut.lab import (  # noqa: E402
+    article,
+    bench,  # noqa: E402  (first: memory and bench import each other)
+    diagrams,
+    memory,
+    timeline,
+    traces,
+)
 
 # --------------------------------------------------------------------------- diagrams
 
@@ -37,7 +42,7 @@ def test_ring_allreduce_gives_every_rank_the_sum(ranks, size):
 
 def test_ring_sends_two_n_minus_one_over_n_of_the_data():
     _, _, sent = diagrams.ring_allreduce([torch.ones(400) for _ in range(4)])
-    assert sent / 400 == bench.predict.ring_allreduce_bytes(1, 4) == 1.5
+    assert sent / 400 == bench.projection.ring_allreduce_bytes(1, 4) == 1.5
 
 
 def test_diagrams_draw():

@@ -3,9 +3,9 @@ import json
 import subprocess
 
 import torch
-
 from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
-from maskrcnn_tut.distributed import free_port
+
+from maskrcnn_tut.lab.processes import free_port
 from maskrcnn_tut.monitor import read_jsonl
 
 METRIC_KEYS = {"step", "epoch", "lr", "loss", "loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness",

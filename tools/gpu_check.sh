@@ -5,7 +5,7 @@
 # Here, first:   bash tools/gpu_check.sh --fetch-wheels     (downloads the missing packages into .whl/)
 # There:         bash tools/gpu_check.sh                    (the device tool's `run`, carry [".whl"])
 #
-# It runs (1) the GPU tests (`pytest -m gpu`), (2) `python -m maskrcnn_tut.bench --suite gpu`, writing
+# It runs (1) the GPU tests (`pytest -m gpu`), (2) `python -m maskrcnn_tut.lab.bench --suite gpu`, writing
 # book/results/<hardware>-<date>.json, and (3) every chapter on the GPU (nbclient), keeping their outputs;
 # everything it produces is copied to $OUT (or ./gpu_check_out when $OUT is unset).
 set -uo pipefail
@@ -37,7 +37,7 @@ echo "== 1. GPU tests"
 timeout 120 python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu.py -o addopts="" 2>&1 | tee "$OUT/pytest_gpu.txt"
 
 echo "== 2. bench --suite gpu"
-timeout 300 python3 -m maskrcnn_tut.bench --suite gpu --max-minutes 4 --results-dir book/results 2>&1 | tee "$OUT/bench_suite.txt"
+timeout 300 python3 -m maskrcnn_tut.lab.bench --suite gpu --max-minutes 4 --results-dir book/results 2>&1 | tee "$OUT/bench_suite.txt"
 cp book/results/*.json "$OUT/" 2>/dev/null
 
 echo "== 3. chapters on the GPU (60 s each at most, outputs kept)"

@@ -16,7 +16,7 @@ import time
 
 from torch.profiler import ProfilerActivity, profile
 
-from maskrcnn_tut.bench.overhead import fixed_batch_rig
+from maskrcnn_tut.lab.bench.overhead import fixed_batch_rig
 
 
 def self_cpu_seconds(fn) -> tuple[float, collections.Counter]:

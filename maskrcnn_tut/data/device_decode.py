@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torchvision import io as tv_io, tv_tensors
+from torchvision import io as tv_io
+from torchvision import tv_tensors
 
 #: EXIF tag of the orientation; 1 means "as stored".
 _ORIENTATION = 0x0112

@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler, Subset
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    Subset,
+)
 from torchvision.transforms import v2
 
 from ..errors import DataError

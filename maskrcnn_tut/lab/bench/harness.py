@@ -1,7 +1,7 @@
 """The measurement: train the preset's model on benchmark data through `engine.train_step` and time it.
 
 `measure` runs in this process (or the group it joined); `launch_measure` runs it in fresh worker
-processes started by `distributed.launch`, each with its thread count set and, on CPUs, bound to
+processes started by `processes.launch`, each with its thread count set and, on CPUs, bound to
 cores of its own (`pin_cores`), so results do not depend on what the calling notebook did before.
 The config goes through `config.derive` exactly as in `train.py`: global batch, lr scaled to it,
 pin_memory and precision.
@@ -20,15 +20,24 @@ from typing import Callable, Iterator
 import torch
 from torchvision.transforms import v2
 
-from .. import distributed as du
-from ..config import Config, derive, make_config, validate
-from ..data.loader import batch_stream, build_datasets, build_train_loader
-from ..data.shapes import ensure_shapes_dataset
+from maskrcnn_tut.lab import processes
+
+from ... import distributed as du
+from ...config import Config, derive, make_config, validate
+from ...data.loader import batch_stream, build_datasets, build_train_loader
+from ...data.shapes import ensure_shapes_dataset
+from ...engine import (
+    TrainState,
+    build_optimizer,
+    build_scheduler,
+    configure_runtime,
+    make_scaler,
+    train_step,
+)
+from ...errors import BenchError
+from ...hardware import peak_memory_mb, reset_peak_memory, usable_cores
+from ...model import build_model
 from ..dataparallel import DetectionDataParallel, explain_unavailable
-from ..engine import TrainState, build_optimizer, build_scheduler, configure_runtime, make_scaler, train_step
-from ..errors import BenchError
-from ..hardware import peak_memory_mb, reset_peak_memory, usable_cores
-from ..model import build_model
 
 #: The benchmark's dataset: small so an epoch is a few steps (the loader sweep crosses epochs).
 BENCH_SHAPES = {"n_train": 32, "n_val": 8, "seed": 0}
@@ -216,7 +225,7 @@ def pin_cores(threads: int) -> list[int] | None:
 
 
 def measure_worker(cfg: Config, runs: list[dict]) -> list[Measurement]:
-    """Run inside `distributed.launch`: pin this process to its cores, then `measure(cfg with the
+    """Run inside `processes.launch`: pin this process to its cores, then `measure(cfg with the
     run's overrides, **the run's options)` for each run in turn; rank 0's results are the group's."""
     pin_cores(runs[0].get("threads") or 1)
     results = []
@@ -248,4 +257,4 @@ def launch_measure(cfg: Config, nprocs: int, runs: list[dict], threads: int | No
     threads = threads or max(1, usable_cores() // nprocs)
     runs = [{"threads": threads, **run} for run in runs]
     with environment(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)):
-        return du.launch(measure_worker, nprocs, cfg, runs)
+        return processes.launch(measure_worker, nprocs, cfg, runs)

@@ -1,4 +1,4 @@
-"""What the training loop adds over the bare model step (`python -m maskrcnn_tut.bench overhead`).
+"""What the training loop adds over the bare model step (`python -m maskrcnn_tut.lab.bench overhead`).
 
 In one process, on the same fixed batches already in memory (so data loading is not part of it),
 three loops take turns, round after round, so drift of the machine hits them alike:
@@ -29,14 +29,21 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed as du
-from ..config import Config, derive, make_config
-from ..data.loader import to_device
-from ..engine import TrainState, build_optimizer, build_scheduler, configure_runtime, make_scaler, train_step
-from ..hardware import provenance
-from ..data.synthetic import synthetic_batch
-from ..model import build_model
-from ..monitor import MetricsLogger, StragglerCheck
+from ... import distributed as du
+from ...config import Config, derive, make_config
+from ...data.loader import to_device
+from ...engine import (
+    TrainState,
+    build_optimizer,
+    build_scheduler,
+    configure_runtime,
+    make_scaler,
+    train_step,
+)
+from ...model import build_model
+from ...monitor import MetricsLogger, StragglerCheck
+from ..machine import provenance
+from ..synthetic import synthetic_batch
 from .results import BenchResult, python_call
 
 LOOPS = ("bare", "engine.train_step", "train.py's loop")

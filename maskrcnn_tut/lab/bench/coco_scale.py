@@ -1,4 +1,4 @@
-"""COCO-scale benchmark of the data pipeline: `python -m maskrcnn_tut.data.scale --out /tmp/cocoscale`.
+"""COCO-scale benchmark of the data pipeline: `python -m maskrcnn_tut.lab.bench.coco_scale --out /tmp/cocoscale`.
 
 Writes a dataset of COCO train2017's shape (118,287 images, 860,001 instances as polygons with
 COCO's point counts, ~1 % crowd regions as uncompressed RLE, a json of COCO's size) whose image
@@ -148,6 +148,7 @@ def child_startup(out: Path, cache_dir: str | None) -> dict:
     import gc
 
     import torch  # noqa: F401  (a training process has it loaded: not the dataset's memory)
+
     import maskrcnn_tut.data.loader  # noqa: F401
 
     gc.collect()
@@ -286,7 +287,7 @@ def _gather_worker(rank: int, world: int, port: int, n_images: int, per_image: i
 def child_gather(n_images: int, per_image: int, world: int = 2) -> dict:
     import torch.multiprocessing as mp
 
-    from maskrcnn_tut.distributed import free_port
+    from maskrcnn_tut.lab.processes import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -335,7 +336,7 @@ def _ranks_together(out: Path, cache_dir: str, ranks: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m maskrcnn_tut.data.scale", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m maskrcnn_tut.lab.bench.coco_scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/cocoscale"))
     parser.add_argument("--images", type=int, default=COCO_IMAGES)
     parser.add_argument("--instances", type=int, default=COCO_INSTANCES)

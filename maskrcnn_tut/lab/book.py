@@ -28,11 +28,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import distributed as du
+from .. import distributed as du
+from ..config import Config, default_preset, make_config
+from ..data.shapes import ensure_shapes_dataset
 from .bench import markdown_table
-from .config import Config, default_preset, make_config
-from .data.shapes import ensure_shapes_dataset
-from .hardware import hardware, hardware_label
+from .machine import hardware, hardware_label
 
 #: The book's dataset: big enough for a few epochs of short runs, small enough to write in seconds.
 BOOK_SHAPES = {"n_train": 128, "n_val": 32, "seed": 0}
@@ -50,7 +50,7 @@ ARTICLE_SPEED_TABLE = [
 
 
 def hardware_summary() -> dict[str, Any]:
-    """Show what this machine has and which preset the chapter runs; returns `hardware.hardware()`
+    """Show what this machine has and which preset the chapter runs; returns `machine.hardware()`
     with the preset added (key "preset")."""
     hw = {**hardware(), "preset": default_preset()}
     gpus = ", ".join(f"{n} ({m:.0f} GB)" for n, m in zip(hw["gpus"], hw["gpu_memory_gb"])) or "none visible"

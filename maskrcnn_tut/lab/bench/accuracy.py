@@ -1,4 +1,4 @@
-"""Time to accuracy: the main job with and without the fast path (`python -m maskrcnn_tut.bench
+"""Time to accuracy: the main job with and without the fast path (`python -m maskrcnn_tut.lab.bench
 time-to-accuracy`).
 
 Speed in img/s can hide a price in accuracy or in compiling; what a user waits for is the time until the
@@ -18,9 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..errors import BenchError
-from ..hardware import provenance
-from ..monitor import read_jsonl
+from ...errors import BenchError
+from ...monitor import read_jsonl
+from ..machine import provenance
 from .results import BenchResult, python_call
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train.py"

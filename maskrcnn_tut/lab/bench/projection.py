@@ -28,8 +28,9 @@ from typing import Sequence
 
 import torch
 
-from ..errors import BenchError
-from ..hardware import provenance, usable_cores
+from ...errors import BenchError
+from ...hardware import usable_cores
+from ..machine import provenance
 from .cache import above, cached, interval, machine_busy, spread_text
 from .cache import versus as compare
 from .harness import bench_config, launch_measure
@@ -132,8 +133,8 @@ def gradient_bytes(model: torch.nn.Module) -> int:
 def model_gradient_bytes(preset: str | None = None, num_classes: int | None = None) -> int:
     """`gradient_bytes` of the preset's Mask R-CNN (built on the CPU, random weights), for
     `num_classes` classes with the background (default: the benchmark's shapes data; COCO is 91)."""
-    from ..data.loader import build_datasets
-    from ..model import build_model
+    from ...data.loader import build_datasets
+    from ...model import build_model
     cfg = bench_config(preset, None)
     if num_classes is None:
         num_classes = build_datasets(cfg)[0].num_classes
@@ -313,3 +314,33 @@ def plot_scaling(curve: BenchResult | None, paper: list[dict], title: str, artic
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)
     fig.tight_layout()
     return fig
+
+
+SECONDS_PER_DAY = 86_400
+
+
+#: COCO schedules in epochs: Detectron2's 1x (90k iterations of 16 images, about 12 epochs over
+#: train2017) and torchvision's reference recipe (26 epochs), both from an ImageNet backbone.
+COCO_SCHEDULES = {"12 epochs (1x, Detectron2)": 12, "26 epochs (torchvision reference)": 26}
+
+
+def coco_days(img_per_s: float, epochs: float, images: int) -> float:
+    """Days one device needs for `epochs` passes over `images` at `img_per_s`."""
+    return images * epochs / img_per_s / SECONDS_PER_DAY
+
+
+def coco_days_table(speeds: Sequence[dict], images: int, schedules: dict[str, float] | None = None) -> list[dict]:
+    """For each speed (a dict with "source" and "img/s", optionally "img/s lo"/"img/s hi"), the days
+    each schedule takes on one device; with a spread, "days range" gives the longest schedule's
+    days at the high and low img/s."""
+    schedules = schedules or COCO_SCHEDULES
+    rows = []
+    for speed in speeds:
+        row = {"source": speed["source"], "img/s": speed["img/s"]}
+        row.update({f"{name}, days": coco_days(speed["img/s"], epochs, images) for name, epochs in schedules.items()})
+        if speed.get("img/s lo") and speed.get("img/s hi"):
+            longest = max(schedules.values())
+            row["days range"] = (f"{coco_days(speed['img/s hi'], longest, images):.3g}-"
+                                 f"{coco_days(speed['img/s lo'], longest, images):.3g}")
+        rows.append(row)
+    return rows

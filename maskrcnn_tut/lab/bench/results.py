@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 
-
 def _cell(value: Any, floatfmt: str) -> str:
     if value is None:
         return ""

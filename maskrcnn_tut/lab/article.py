@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from .config import derive, make_config
-from .engine import TrainState, make_scaler, train_step
+from ..config import derive, make_config
+from ..engine import TrainState, make_scaler, train_step
+from .machine import environment_report
 from .proofs import TinyDetector, toy_batches
 
 _PROBE = """import json, os, sys
@@ -85,8 +87,8 @@ def _toy(seed: int = 0):
 def article_errors() -> dict[str, str]:
     """The article's AMP branch on Mask R-CNN (cpu-tiny, 2 images) and on the toy detector: the error
     each raises; then the toy with the tuple unpacking dropped (`losses = model(...)`, the loss dict)."""
-    from .data.synthetic import synthetic_batch
-    from .model import build_model
+    from ..model import build_model
+    from .synthetic import synthetic_batch
     cfg = make_config("cpu-tiny", data_path=None)
     torch.manual_seed(0)
     maskrcnn = build_model(cfg, 4).train()
@@ -178,3 +180,46 @@ def ddp_before_to_device() -> str:
     finally:
         if made:
             dist.destroy_process_group()
+
+
+#: The environment report's row naming the CUDA runtime the wheel bundles.
+CUDA_ROW = "CUDA (the wheel's runtime)"
+
+
+def stack_today(report: list[dict] | None = None) -> list[dict]:
+    """The article's software stack (「必要なソフトウェア Stack」 and its launch command), what this
+    book uses instead, and what this machine has (`machine.environment_report()`)."""
+    have = {row[""]: row["this machine"] for row in (report or environment_report())}
+    torchrun = shutil.which("torchrun") or (str(Path(sys.executable).with_name("torchrun"))
+                                            if Path(sys.executable).with_name("torchrun").exists() else None)
+    try:
+        import cv2  # noqa: F401  (only to say whether it is there)
+        opencv = "installed (unused)"
+    except ImportError:
+        opencv = "not installed"
+    return [
+        {"the article": "PyTorch 1.6 or later", "today": "PyTorch 2.x, pinned by requirements.txt (chapter 2's check)",
+         "this machine": have.get("PyTorch / torchvision", "")},
+        {"the article": "CUDA 10.2 or later", "today": "the CUDA runtime inside the PyTorch wheel, and a recent "
+         "NVIDIA driver; no CUDA toolkit to install",
+         "this machine": f"CUDA {have.get(CUDA_ROW, '')}; GPUs: {have.get('GPUs', '')}"},
+        {"the article": "NCCL (implied by `backend='nccl'`)", "today": "in the wheel; gloo for CPU processes",
+         "this machine": f"NCCL {have.get('NCCL', '')}; backends {have.get('distributed backends', '')}"},
+        {"the article": "`python -m torch.distributed.launch --nproc_per_node=4 train_script.py`",
+         "today": "`torchrun --nproc_per_node=4 maskrcnn_tut/train.py`: `launch` is deprecated, runs torchrun's "
+         "code and passes `--local-rank` to the script unless `--use-env` (chapter 4)",
+         "this machine": f"torchrun: `{torchrun}`" if torchrun else "no torchrun on PATH: use "
+         "`python -m torch.distributed.run`"},
+        {"the article": "OpenCV for image transforms", "today": "not needed: torchvision.transforms.v2 moves "
+         "boxes and masks with the pixels", "this machine": f"OpenCV {opencv}"},
+        {"the article": "numpy / pillow", "today": "installed with torchvision", "this machine":
+         f"numpy {_version('numpy')}, pillow {_version('pillow')}; Python {have.get('Python', '')}"},
+    ]
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"

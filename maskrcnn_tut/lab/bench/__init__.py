@@ -2,7 +2,7 @@
 
 API (each returns a `BenchResult`: `.rows`, `.row(prefix)`, `.notes`, `.provenance`,
 `.to_markdown()`, `.plot()`, `.save(path)`; `BenchResult.load(path)` reads one back). The shell
-runs the same functions: `python -m maskrcnn_tut.bench NAME [--out FILE] [--plot PNG]`.
+runs the same functions: `python -m maskrcnn_tut.lab.bench NAME [--out FILE] [--plot PNG]`.
 
 - `table()`: rows Single, DP(N), DDP(N) for the N devices present: img/s, peak memory per device,
   total memory, speedup, scaling efficiency. On CPUs a device is a core: DDP(N) is N gloo
@@ -15,7 +15,7 @@ runs the same functions: `python -m maskrcnn_tut.bench NAME [--out FILE] [--plot
 - `time_to_accuracy()`: the main job with and without the fast path, training seconds to a target AP.
 - `gpu_suite(max_minutes=8)`: the table on every GPU, AMP, cudnn.benchmark, channels_last and the fast
   path with R50-FPN at 800 px, bounded in time; writes `book/results/<hardware>-<date>.json`
-  (`python -m maskrcnn_tut.bench --suite gpu --max-minutes 8`). `load_suite(path)` reads it.
+  (`python -m maskrcnn_tut.lab.bench --suite gpu --max-minutes 8`). `load_suite(path)` reads it.
 - `measure(cfg, steps, warmup)`: the measurement underneath, in this process (callbacks get every
   `StepRecord`, e.g. `dashboard.LiveDashboard`); `bench_config(...)` the config it measures.
 
@@ -24,10 +24,10 @@ on shapes-dataset batches through `engine.train_step`, the step `train.py` runs,
 `config.derive` resolves for train.py (global batch, scaled lr, pin_memory, precision). Warm-up
 steps are excluded; img/s is images per step over the median step time of the slowest rank; peak
 memory is the CUDA allocator's peak per GPU, or each process's peak resident memory on CPU. Every
-table row and every sweep runs in fresh worker processes started by `distributed.launch`, each with
+table row and every sweep runs in fresh worker processes started by `processes.launch`, each with
 its thread count set (`torch.set_num_threads`, OMP_NUM_THREADS) and, on CPUs, bound to cores of its
 own, so results do not depend on what the calling notebook did before. Results carry hardware
-provenance (`hardware.provenance`: CPU, cores, GPUs, torch / CUDA / cuDNN / NCCL versions, date,
+provenance (`machine.provenance`: CPU, cores, GPUs, torch / CUDA / cuDNN / NCCL versions, date,
 command) and say when a knob made no difference here, and why. Every public function also takes
 Config fields as keyword overrides (`table(batch_size=8)`, `sweep_amp(min_size=96)`).
 
@@ -35,22 +35,55 @@ Modules: `harness` (the measurement and its worker processes), `results` (BenchR
 plots and files), `scaling` (the speed table, `table`), `sweeps`, `gpu` (the GPU suite), `cli` (the shell),
 `overhead`, `accuracy` (time to accuracy), `profile` (what a step's host time goes to),
 `cache` (`cached(fn, **args)`: each figure measured once per hardware and code, with its spread),
-`predict` (the article's table taken apart, scaling on paper, `scaling_curve`).
+`projection` (the article's table taken apart, scaling on paper, `scaling_curve`, days for COCO),
+`coco_scale` (start-up time and memory at COCO scale). `single_device_speed()` is one device's
+speed (chapter 1); `loader_verdict(sweep)` reads the loader sweep (chapter 3).
 """
+from . import projection
 from .accuracy import time_to_accuracy
+from .cache import (
+    above,
+    cached,
+    describe_cache,
+    interval,
+    machine_busy,
+    spread_text,
+    timing_row,
+    versus,
+)
 from .cli import build_parser, main
 from .gpu import gpu_suite
+from .harness import (
+    BENCH_SHAPES,
+    Measurement,
+    bench_config,
+    bench_dataset,
+    environment,
+    launch_measure,
+    measure,
+    measure_worker,
+    multiscale_sizes,
+    pin_cores,
+)
 from .overhead import overhead
 from .profile import backbone_shapes
-from .harness import (BENCH_SHAPES, Measurement, bench_config, bench_dataset, environment, launch_measure,
-                      measure, measure_worker, multiscale_sizes, pin_cores)
+from .projection import scaling_curve
 from .results import BenchResult, load_suite, markdown_table, python_call, results_path
-from .sweeps import (NO_DIFFERENCE, SWEEP_COLUMNS, SWEEPS, knob_note, sweep_accum, sweep_amp, sweep_channels_last,
-                     sweep_cudnn, sweep_fast_path, sweep_loader, sweep_size)
-from .scaling import CPU_TABLE_BATCH, TABLE_COLUMNS, table
-from .cache import above, cached, describe_cache, interval, machine_busy, spread_text, timing_row, versus
-from . import predict
-from .predict import scaling_curve
+from .scaling import CPU_TABLE_BATCH, TABLE_COLUMNS, single_device_speed, table
+from .sweeps import (
+    NO_DIFFERENCE,
+    SWEEP_COLUMNS,
+    SWEEPS,
+    knob_note,
+    loader_verdict,
+    sweep_accum,
+    sweep_amp,
+    sweep_channels_last,
+    sweep_cudnn,
+    sweep_fast_path,
+    sweep_loader,
+    sweep_size,
+)
 
 __all__ = [
     "BENCH_SHAPES", "backbone_shapes", "CPU_TABLE_BATCH", "NO_DIFFERENCE", "SWEEPS", "SWEEP_COLUMNS", "TABLE_COLUMNS", "BenchResult",

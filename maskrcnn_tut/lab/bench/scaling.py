@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import BenchError
+from ...hardware import usable_cores
 from ..dataparallel import explain_unavailable
-from ..errors import BenchError
-from ..hardware import provenance, usable_cores
+from ..machine import provenance
 from .harness import bench_config, launch_measure
 from .results import BenchResult, python_call
 
@@ -122,3 +123,17 @@ def table(preset: str | None = None, nprocs: int | None = None, steps: int = 16,
     return BenchResult("table", "Speed table: one device, DataParallel and DDP", rows,
                        [c for c in TABLE_COLUMNS if any(r.get(c) is not None for r in rows)], notes,
                        provenance(command))
+
+
+def single_device_speed(preset: str | None = None, steps: int = 12, warmup: int = 3,
+                        max_seconds: float | None = 20.0) -> BenchResult:
+    """The preset's training speed on one device (one GPU, or one process using every usable CPU
+    core), in a fresh process through `bench.launch_measure`: one row, "one device"."""
+    cfg = bench_config(preset)
+    measurement = launch_measure(cfg, 1, [{"steps": steps, "warmup": warmup, "max_seconds": max_seconds}])[0]
+    row = {"setup": "one device", "preset": f"{cfg.preset} ({cfg.backbone}-FPN, {cfg.min_size} px)",
+           **measurement.row()}
+    return BenchResult("single_device_speed", "Training speed on one device", [row],
+                       ["setup", "preset", "img/s", "steps", "peak MiB/device"], [],
+                       provenance(python_call("bench.single_device_speed", preset=preset, steps=steps,
+                                              warmup=warmup, max_seconds=max_seconds)))

@@ -7,7 +7,7 @@ The first call runs the benchmark and writes its `BenchResult` to
 (chapter 8 after chapter 4, a rebuild of the book, the same call from a shell) reads that file back,
 so two chapters can never quote two different measurements of one figure. The key is:
 
-- the hardware, as `hardware.provenance` names it (label, CPU model, GPUs) and the torch version;
+- the hardware, as `machine.provenance` names it (label, CPU model, GPUs) and the torch version;
 - the code that measures: a hash of the sources that decide the measurement (`CODE_SOURCES`: the
   bench harness, `engine.py`, `model.py`, `config.py`, the process launcher, the data loader) and of
   the cached function's own module (`code_hash()`), so an edit there measures again;
@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..data.shapes import default_cache_dir
-from ..hardware import provenance
+from ...data.shapes import default_cache_dir
+from ..machine import provenance
 from .results import BenchResult
 
 #: Bump when the cached file's layout changes: older files are then measured again.

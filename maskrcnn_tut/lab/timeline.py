@@ -24,12 +24,14 @@ from pathlib import Path
 
 import torch
 
-from .bench import multiscale_sizes  # (before .memory, whose import of bench would otherwise go in a circle)
-from .config import Config, derive
-from .data.loader import batch_stream, build_datasets, build_train_loader
-from .engine import TrainState, build_optimizer, make_scaler, train_step
-from .data.synthetic import synthetic_batch
-from .model import build_model
+from ..config import Config, derive
+from ..data.loader import batch_stream, build_datasets, build_train_loader
+from ..engine import TrainState, build_optimizer, make_scaler, train_step
+from ..model import build_model
+from .bench import (
+    multiscale_sizes,  # (before .memory, whose import of bench would otherwise go in a circle)
+)
+from .synthetic import synthetic_batch
 
 MIB = 2**20
 #: Parts of torchvision's Mask R-CNN, in forward order, that name where the saved tensors come from.

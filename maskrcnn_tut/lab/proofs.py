@@ -8,14 +8,13 @@ all-reduce code that trains Mask R-CNN, at a size where float rounding is the on
 - `accumulation_check`: K accumulated micro-batches of B give the gradient of one batch of K*B (ch. 7).
 - `ddp_accumulation_check`: the same under DDP, and one all-reduce per optimizer step with `no_sync`.
 - `gradient_noise`: how far one batch's gradient is from the average, by batch size (ch. 1).
-- `process_report`, `demo_processes`: what each process started by `distributed.launch` sees (ch. 4).
+- `process_report`, `demo_processes`: what each process started by `processes.launch` sees (ch. 4).
 - `imbalance_run`, `allreduce_timing`: chapter 9's straggler and communication experiments.
 
-The functions named "run inside `distributed.launch`" are called as `du.launch(proofs.f, n, ...)`.
+The functions named "run inside `processes.launch`" are called as `processes.launch(proofs.f, n, ...)`.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from typing import Sequence
@@ -23,14 +22,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .. import distributed as du
+from ..config import Config, derive, make_config
+from ..data.loader import build_datasets, build_train_loader, collate, to_device
+from ..engine import TrainState, build_optimizer, make_scaler, train_step
+from ..model import build_model
+from ..monitor import StragglerCheck
 from . import bench
-from . import distributed as du
-from .config import Config, derive, make_config
-from .data.loader import build_datasets, collate, to_device
-from .engine import TrainState, build_optimizer, make_scaler, train_step
-from .hardware import gpu_count
-from .model import build_model
-from .monitor import StragglerCheck
 
 
 class TinyDetector(nn.Module):
@@ -93,7 +91,7 @@ def accumulation_check(accum_steps: int = 4, batch_size: int = 2, seed: int = 0)
 
 
 def ddp_accumulation_check(accum_steps: int = 4, batch_size: int = 2, seed: int = 0) -> dict:
-    """Run inside `distributed.launch`: DDP + accumulation vs one process on the global batch.
+    """Run inside `processes.launch`: DDP + accumulation vs one process on the global batch.
 
     The models live on this process's device (`du.info().device`: its GPU where there is one),
     where `engine.train_step` also puts the batches. Returns (on every rank) the max gradient
@@ -226,28 +224,11 @@ def _noise_from_gram(gram: torch.Tensor) -> tuple[float, float | None]:
 # --------------------------------------------------------------------------- chapter 4
 
 
-def process_report() -> list[dict] | None:
-    """Run inside `distributed.launch`: each rank's place in the group and one all-reduce, gathered."""
-    info = du.info()
-    total = du.all_reduce_sum(torch.tensor([info.rank + 1.0], device=info.device))
-    mine = {"rank": info.rank, "local rank": info.local_rank, "world size": info.world_size,
-            "backend": info.backend, "device": str(info.device), "CPU threads": torch.get_num_threads(),
-            "process id": os.getpid(), "all-reduce of rank + 1": float(total)}
-    return du.all_gather_objects(mine)
-
-
-def demo_processes() -> tuple[int, str | None]:
-    """(processes, backend) for the chapters' multi-process demos: one per GPU (nccl) with two or
-    more GPUs, else two gloo processes (two GPU processes cannot share one GPU under nccl)."""
-    gpus = gpu_count()
-    return (gpus, None) if gpus >= 2 else (2, "gloo")
-
-
 # --------------------------------------------------------------------------- chapter 9
 
 
 def imbalance_run(batch_sizes: Sequence[Sequence[int]], steps: int = 6, warmup: int = 1) -> list[dict]:
-    """Run inside `distributed.launch`: for each entry of `batch_sizes`, DDP steps where rank r
+    """Run inside `processes.launch`: for each entry of `batch_sizes`, DDP steps where rank r
     trains `entry[r]` images per step.
 
     Returns, per entry, each rank's median forward time per step (its own work, which no
@@ -271,7 +252,7 @@ def imbalance_run(batch_sizes: Sequence[Sequence[int]], steps: int = 6, warmup: 
 
 
 def allreduce_timing(total_mb: float, bucket_mbs: Sequence[float], repeats: int = 5) -> list[dict]:
-    """Run inside `distributed.launch`: median time to all-reduce `total_mb` of fp32 gradients in
+    """Run inside `processes.launch`: median time to all-reduce `total_mb` of fp32 gradients in
     buckets of each size, and in the default bucket size after compressing them to fp16 (what
     DDP's fp16 compression hook sends). Returns rows on every rank."""
     info = du.info()
@@ -299,3 +280,20 @@ def allreduce_timing(total_mb: float, bucket_mbs: Sequence[float], repeats: int 
     rows.append({"sent as": f"fp16 in {default_bucket:g} MB buckets (compressed)", "all-reduces": len(chunks),
                  "MB per process": total_mb / 2, "ms": 1000 * median_seconds(chunks)})
     return rows
+
+
+def first_batches(cfg: Config, set_epoch: bool, epochs: int = 2, rank: int = 0, world_size: int = 2) -> list[list[int]]:
+    """The image ids of the first batch rank `rank` of `world_size` reads in each epoch from the
+    package's training loader (`build_train_loader`: a `DistributedSampler` when world_size > 1),
+    in a loop that calls `sampler.set_epoch(epoch)` before each epoch, or (set_epoch=False) the
+    article's loop that never does. No process group is needed: the sampler takes rank and size."""
+    train_set, _ = build_datasets(cfg)
+    loader = build_train_loader(train_set, cfg, rank, world_size)
+    sampler = loader.batch_sampler.batch_sampler.sampler  # ResumableBatches -> batch sampler -> DistributedSampler
+    firsts = []
+    for epoch in range(epochs):
+        if set_epoch:
+            sampler.set_epoch(epoch)
+        _, targets = next(iter(loader))
+        firsts.append([int(t["image_id"]) for t in targets])
+    return firsts

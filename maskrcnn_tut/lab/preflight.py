@@ -6,7 +6,7 @@ big enough, can the processes talk fast enough, is every GPU healthy, and what t
   told otherwise (Docker's default, and the container runtime's under Kubernetes).
 - `NCCL_VARIABLES`, `nccl_environment()`: the NCCL and torch variables worth knowing, and which
   of them this process has set.
-- `allreduce_bandwidth(sizes_mb)`: run inside `distributed.launch`: all-reduce time per message
+- `allreduce_bandwidth(sizes_mb)`: run inside `processes.launch`: all-reduce time per message
   size and the bus bandwidth it reached (nccl-tests' definition: 2(N-1)/N x bytes / time).
 - `gpu_health()`: per GPU through NVML: temperature, power, memory, uncorrected ECC errors,
   clock throttling and the PCIe link (a GPU on a narrower or slower link than it can use is a
@@ -34,8 +34,11 @@ from pathlib import Path
 
 import torch
 
-from . import distributed as du
-from .hardware import gpu_count
+from maskrcnn_tut.lab import processes
+
+from .. import distributed as du
+from ..hardware import gpu_count
+from .gpus import gpu_health
 
 #: Below this /dev/shm is too small for a few DataLoader workers per GPU and NCCL's buffers.
 MIN_SHM_MB = 1024
@@ -116,7 +119,7 @@ def nccl_environment(environ: dict | None = None) -> list[dict]:
 
 
 def allreduce_bandwidth(sizes_mb: tuple[float, ...] = (1.0, 16.0, 64.0), repeats: int = 5) -> list[dict]:
-    """Run inside `distributed.launch`: per message size, the median time of one all-reduce over
+    """Run inside `processes.launch`: per message size, the median time of one all-reduce over
     every process (after one warm-up round) and the bus bandwidth it reached. Rows on every rank."""
     info = du.info()
     rows = []
@@ -142,65 +145,6 @@ def allreduce_bandwidth(sizes_mb: tuple[float, ...] = (1.0, 16.0, 64.0), repeats
 # --------------------------------------------------------------------------- GPU health
 
 
-def _nvml_value(call, *args, default=None):
-    try:
-        return call(*args)
-    except Exception:  # not supported on this GPU, or no permission
-        return default
-
-
-def gpu_health(nvml=None) -> list[dict]:
-    """Each GPU NVML sees: temperature, power, memory, uncorrected ECC errors, throttling, PCIe link;
-    `ok` False with the reason when something is off. [] without an NVIDIA driver (or pynvml)."""
-    if nvml is None:
-        try:
-            import pynvml as nvml
-        except ImportError:
-            return []
-    try:
-        nvml.nvmlInit()
-    except Exception:
-        return []
-    rows = []
-    try:
-        for index in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            name = _nvml_value(nvml.nvmlDeviceGetName, handle, default="?")
-            name = name.decode() if isinstance(name, bytes) else name
-            memory = _nvml_value(nvml.nvmlDeviceGetMemoryInfo, handle)
-            temp = _nvml_value(nvml.nvmlDeviceGetTemperature, handle, 0)
-            power = _nvml_value(nvml.nvmlDeviceGetPowerUsage, handle)
-            limit = _nvml_value(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
-            ecc = _nvml_value(nvml.nvmlDeviceGetTotalEccErrors, handle, 1, 0)  # uncorrected, volatile
-            throttle = _nvml_value(getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-                                   or nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle, default=0)
-            gen, width = (_nvml_value(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
-                          _nvml_value(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle))
-            max_gen, max_width = (_nvml_value(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
-                                  _nvml_value(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle))
-            problems = []
-            if ecc:
-                problems.append(f"{ecc} uncorrected ECC errors since the driver loaded: drain this GPU")
-            # idle (0x1) and applications-clocks setting (0x2) are normal; the rest slows the GPU
-            if throttle and throttle & ~0x3:
-                problems.append(f"clocks held down (reasons mask {throttle:#x}: power, thermal or sync boost)")
-            if temp is not None and temp >= 85:
-                problems.append(f"{temp} °C")
-            if width and max_width and width < max_width and gen and max_gen and gen < max_gen:
-                problems.append(f"PCIe gen {gen} x{width} of gen {max_gen} x{max_width} (idle GPUs drop the "
-                                "link speed; check again under load)")
-            rows.append({"gpu": index, "name": name, "temperature C": temp,
-                         "power W": power / 1000 if power is not None else None,
-                         "power limit W": limit / 1000 if limit is not None else None,
-                         "memory used MiB": memory.used / 2**20 if memory else None,
-                         "memory MiB": memory.total / 2**20 if memory else None,
-                         "uncorrected ECC": ecc, "PCIe": f"gen {gen} x{width}" if gen else None,
-                         "ok": not problems, "finding": "; ".join(problems) or "healthy"})
-    finally:
-        nvml.nvmlShutdown()
-    return rows
-
-
 def preflight(nprocs: int | None = None, sizes_mb: tuple[float, ...] = (1.0, 16.0, 64.0),
               backend: str | None = None) -> tuple[list[dict], list[dict], list[dict]]:
     """(checks, bandwidth rows, GPU rows): /dev/shm, the NCCL variables set, an all-reduce across
@@ -214,7 +158,7 @@ def preflight(nprocs: int | None = None, sizes_mb: tuple[float, ...] = (1.0, 16.
     checks.append({"check": "NCCL / torch variables", "ok": True,
                    "finding": ", ".join(set_here) or "none set (NCCL picks its transports itself)",
                    "what to do": "NCCL_DEBUG=INFO on the first failure"})
-    bandwidth = du.launch(allreduce_bandwidth, nprocs, sizes_mb, backend=backend, timeout_s=120)
+    bandwidth = processes.launch(allreduce_bandwidth, nprocs, sizes_mb, backend=backend, timeout_s=120)
     top = max(bandwidth, key=lambda row: row["MB"])
     checks.append({"check": f"all-reduce over {nprocs} processes ({top['backend']})", "ok": True,
                    "finding": f"{top['MB']:g} MB in {top['ms']:.1f} ms: {top['bus GB/s']:.2f} GB/s bus bandwidth",
@@ -244,7 +188,7 @@ def stalled_step(release: Path, limit_s: float) -> None:
 
 
 def hang_demo(workdir: str, stall_rank: int = 1, limit_s: float = 60.0) -> dict:
-    """Run inside `distributed.launch`: every rank writes its PID, arms faulthandler on SIGUSR2
+    """Run inside `processes.launch`: every rank writes its PID, arms faulthandler on SIGUSR2
     (its stacks to `<workdir>/stack<rank>.txt`), then rank `stall_rank` loops in `stalled_step`
     while the others wait in an all-reduce; all finish once `<workdir>/release` exists."""
     info = du.info()
@@ -291,7 +235,7 @@ _FRAME_PATTERNS = (re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?
 
 
 def main_frames(text: str) -> list[tuple[str, str, int]]:
-    """(function, file, line) of a dump's main thread (the one in `distributed.launch`'s worker, or
+    """(function, file, line) of a dump's main thread (the one in `processes.launch`'s worker, or
     the first thread), innermost first; both py-spy's and faulthandler's formats."""
     blocks = [block for block in re.split(r"\n\s*\n|\n(?=(?:Current )?[Tt]hread )", text) if block.strip()]
     chosen = next((b for b in blocks if "_worker" in b), None) or next((b for b in blocks if "MainThread" in b), "")
@@ -341,7 +285,7 @@ def diagnose_hang(nprocs: int = 2, stall_rank: int = 1, after_s: float = 2.0, to
 
     def run() -> None:
         try:
-            outcome["result"] = du.launch(hang_demo, nprocs, str(workdir), stall_rank, 60.0, backend=backend,
+            outcome["result"] = processes.launch(hang_demo, nprocs, str(workdir), stall_rank, 60.0, backend=backend,
                                           timeout_s=90)
         except Exception as err:  # reported below, after the release
             outcome["error"] = err

@@ -1,6 +1,6 @@
 """Where one training step's time goes, in DDP: a `torch.profiler` trace of `engine.train_step`.
 
-`ddp_trace()` runs `engine.train_step` in fresh CPU processes (`distributed.launch`, gloo), each
+`ddp_trace()` runs `engine.train_step` in fresh CPU processes (`processes.launch`, gloo), each
 bound to one core with one thread as in the speed table, at the table's batch
 (`bench.CPU_TABLE_BATCH`): first one process alone (the table's baseline, the other core idle),
 then 2 processes under DDP with the preset's buckets, then with 25 MB buckets. Each phase
@@ -11,7 +11,7 @@ optimizer. The two ranks share one clock, so a bucket's all-reduce is split into
 later rank and the transfer itself. `plot_trace` draws one step of each rank; `save_trace` writes
 both ranks into one Chrome-trace file (ui.perfetto.dev or chrome://tracing open it).
 
-The memory timeline of a step and the shape census live in `maskrcnn_tut.timeline`.
+The memory timeline of a step and the shape census live in `maskrcnn_tut.lab.timeline`.
 """
 from __future__ import annotations
 
@@ -29,14 +29,22 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from maskrcnn_tut.lab import processes
+
+from .. import distributed as du
+from ..config import Config, derive
+from ..data.loader import batch_stream, build_datasets, build_train_loader
+from ..engine import (
+    TrainState,
+    build_optimizer,
+    configure_runtime,
+    make_scaler,
+    train_step,
+)
+from ..model import build_model
 from . import bench
-from . import distributed as du
-from .bench import predict
-from .config import Config, derive
-from .data.loader import batch_stream, build_datasets, build_train_loader
-from .engine import TrainState, build_optimizer, configure_runtime, make_scaler, train_step
-from .hardware import hardware_label
-from .model import build_model
+from .bench import projection as predict
+from .machine import hardware_label
 
 #: Bucket cap of the last phase: DDP's default, several buckets for this model, so overlap can show.
 SMALL_BUCKET_MB = 25.0
@@ -100,7 +108,7 @@ def _profiled_steps(model, cfg: Config, loader, steps: int, warmup: int, path: P
 
 
 def trace_worker(cfg: Config, steps: int, warmup: int, folder: str) -> None:
-    """Run inside `distributed.launch`: alone (1 process), the "single" phase; in 2 processes the two
+    """Run inside `processes.launch`: alone (1 process), the "single" phase; in 2 processes the two
     DDP phases of the module doc. Each rank's trace of each phase goes to `folder/{phase}.{rank}.json`."""
     info = du.info()
     bench.pin_cores(1)
@@ -131,7 +139,7 @@ def bucket_sizes_mb(model: nn.Module, cap_mb: float) -> list[float]:
 def gradient_report(presets: tuple[str, ...] = ("cpu-tiny", "gpu-r50"), ranks: tuple[int, ...] = (2, 8)) -> list[dict]:
     """Per preset (its model built here, on the CPU, with the shapes dataset's 4 classes): gradient MiB,
     DDP's buckets at the preset's cap, and what a ring all-reduce sends per rank, 2(N-1)/N of it."""
-    from .config import make_config
+    from ..config import make_config
     rows = []
     for preset in presets:
         cfg = make_config(preset)
@@ -261,8 +269,8 @@ def ddp_trace(preset: str = "cpu-tiny", steps: int = 2, warmup: int = 1, batch_s
     cfg = bench.bench_config(preset, batches_per_step=2, batch_size=batch_size, workers=0, **overrides)
     with tempfile.TemporaryDirectory() as folder, \
             bench.environment(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
-        du.launch(trace_worker, 1, cfg, steps, warmup, folder, backend="gloo")
-        du.launch(trace_worker, 2, cfg, steps, warmup, folder, backend="gloo")
+        processes.launch(trace_worker, 1, cfg, steps, warmup, folder, backend="gloo")
+        processes.launch(trace_worker, 2, cfg, steps, warmup, folder, backend="gloo")
         events = {phase: [json.loads(path.read_text())["traceEvents"]
                           for path in sorted(Path(folder).glob(f"{phase}.*.json"))] for phase in PHASES}
     return DDPTrace(steps={phase: [step_phases(ev) for ev in events[phase]] for phase in PHASES},

@@ -15,11 +15,17 @@ import dataclasses
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .. import distributed as du
-from ..config import derive
-from ..data.loader import batch_stream, build_datasets, build_train_loader
-from ..engine import TrainState, build_optimizer, configure_runtime, make_scaler, train_step
-from ..model import build_model
+from ... import distributed as du
+from ...config import derive
+from ...data.loader import batch_stream, build_datasets, build_train_loader
+from ...engine import (
+    TrainState,
+    build_optimizer,
+    configure_runtime,
+    make_scaler,
+    train_step,
+)
+from ...model import build_model
 from .harness import bench_config
 
 #: Operators that make the host wait for the device (a sync point inside a step).

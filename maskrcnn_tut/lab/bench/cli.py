@@ -1,4 +1,4 @@
-"""`python -m maskrcnn_tut.bench NAME [--out FILE] [--plot PNG]`: the speed table, a sweep, or the GPU suite.
+"""`python -m maskrcnn_tut.lab.bench NAME [--out FILE] [--plot PNG]`: the speed table, a sweep, or the GPU suite.
 
 A `UserError` (bad settings, no GPU for the suite, a benchmark worker that failed) prints as one
 line, `error: <message>`, and exits with its code; anything else is a bug and keeps its traceback.
@@ -9,19 +9,19 @@ import argparse
 import shlex
 import sys
 
-from ..errors import UserError, print_error
-from .gpu import gpu_suite
+from ...errors import UserError, print_error
 from .accuracy import time_to_accuracy
+from .gpu import gpu_suite
 from .overhead import overhead
-from .sweeps import SWEEPS
 from .scaling import table
+from .sweeps import SWEEPS
 
 OPTIONS = ("preset", "data_path", "steps", "warmup", "batch_size", "min_size", "max_size", "nprocs")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m maskrcnn_tut.bench",
+        prog="python -m maskrcnn_tut.lab.bench",
         description="Measure the article's speed table and the technique sweeps on this machine.")
     parser.add_argument("--suite", choices=["gpu"], help="one bounded run of everything on a GPU machine")
     parser.add_argument("--max-minutes", type=float, default=8.0, help="time budget of --suite gpu")
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
-        return run(args, "python -m maskrcnn_tut.bench " + shlex.join(argv))
+        return run(args, "python -m maskrcnn_tut.lab.bench " + shlex.join(argv))
     except UserError as err:
         print_error(str(err))
         return err.exit_code

@@ -26,15 +26,25 @@ from dataclasses import dataclass
 
 import torch
 
-from . import distributed as du
+from maskrcnn_tut.lab import processes
+
+from .. import distributed as du
+from ..config import Config, derive, make_config
+from ..data.loader import to_device
+from ..engine import (
+    TrainState,
+    amp_dtype,
+    autocast,
+    build_optimizer,
+    make_scaler,
+    train_step,
+)
+from ..hardware import current_memory_mb, peak_memory_mb, reset_peak_memory
+from ..model import build_model
 from .bench.harness import environment
 from .bench.results import BenchResult, python_call
-from .config import Config, derive, make_config
-from .data.synthetic import synthetic_batch
-from .data.loader import to_device
-from .engine import TrainState, amp_dtype, autocast, build_optimizer, make_scaler, train_step
-from .hardware import current_memory_mb, peak_memory_mb, provenance, reset_peak_memory
-from .model import build_model
+from .machine import provenance
+from .synthetic import synthetic_batch
 
 MIB = 2**20
 #: The GPU the article recommends (RTX 2080 Ti, 11 GB): the default line in `memory_table`'s plot.
@@ -141,7 +151,7 @@ def _train(cfg: Config, image_size: int, batch_size: int, steps: int, device: to
 
 
 def growth_worker(cfg: Config, image_size: int, batch_size: int, steps: int) -> float:
-    """Run inside `distributed.launch`: MiB that `steps` training steps add above the loaded model.
+    """Run inside `processes.launch`: MiB that `steps` training steps add above the loaded model.
 
     One thread, and a throwaway run first, so that per-thread buffers and the first touch of
     the library's code pages for the backward pass and the optimizer are not counted as growth.
@@ -162,7 +172,7 @@ def measure_growth(cfg: Config, image_size: int, batch_size: int, steps: int = 2
     activations and gradients, as every later step does.
     """
     with environment(**MALLOC_ENV):
-        return du.launch(growth_worker, 1, cfg, image_size, batch_size, steps)
+        return processes.launch(growth_worker, 1, cfg, image_size, batch_size, steps)
 
 
 def memory_table(preset: str = "gpu-r50", image_sizes: tuple[int, ...] = (256, 512, 800, 1024),

@@ -1,0 +1,20 @@
+"""The lab behind the book: what the chapters measure and show, on the reader's hardware.
+
+It imports the training core (`maskrcnn_tut`); the core never imports it (tests/test_layers.py).
+
+- `bench/`: the speed table, one sweep per technique, the fast path, the loop's overhead, time to
+  accuracy, COCO-scale start-up, scaling on paper, the GPU suite; results with provenance and a
+  figure cache shared by chapters.
+- `processes`: `launch(fn, n)`, small process groups started from a notebook cell.
+- `machine`: this machine in words, versions, the provenance every results file records.
+- `gpus`: the GPUs through NVML (one reader), a sampler thread, their health; `health`: the
+  article's healthy ranges as advice.
+- `memory`, `timeline`: where memory goes, memory over one step, the input-shape census.
+- `traces`, `diagrams`: a profiled DDP step; DP/DDP and the ring all-reduce drawn from code.
+- `proofs`: exact checks the chapters assert (accumulation equals a large batch, DDP + no_sync,
+  gradient noise, first batches with and without set_epoch).
+- `article`: the article's own code and stack, run as written; `preflight`: checks before
+  distributed work on a hub, a stalled rank diagnosed; `dataparallel`: DataParallel for detection
+  lists; `synthetic`: synthetic batches.
+- `book`, `dashboard`: the chapters' display helpers and the live training view.
+"""

@@ -1,0 +1,280 @@
+"""The GPUs a run uses, read through NVML (nvidia-ml-py), numbered as CUDA numbers them.
+
+NVML numbers every GPU of the machine, in PCI order, and ignores CUDA_VISIBLE_DEVICES and
+CUDA_DEVICE_ORDER; PyTorch's `cuda:0` is the first GPU CUDA lets this process see. On a machine
+with 8 GPUs and CUDA_VISIBLE_DEVICES=3,5, `cuda:0` is NVML's GPU 3. `nvml_indices` matches the
+two by UUID (PCI address where the UUIDs differ, as for MIG slices), so `NvmlReader` reads the
+run's own GPUs and names them both ways. `gpus.GPUSampler` samples them in a thread.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from .. import distributed as du
+from ..hardware import gpu_count
+
+
+class GpuUnavailable(RuntimeError):
+    """NVML cannot read the run's GPUs here; the message says why."""
+
+
+def run_cuda_devices() -> list[int]:
+    """The CUDA indices of the GPUs this process trains on: `du.info().device` (its GPU after
+    `init_distributed`), else the current CUDA device if CUDA is initialised, else none."""
+    device = du.info().device
+    if device.type == "cuda":
+        return [device.index if device.index is not None else torch.cuda.current_device()]
+    if gpu_count() and torch.cuda.is_initialized():
+        return [torch.cuda.current_device()]
+    return []
+
+
+def _uuid(text) -> str:
+    """A GPU's UUID as both sides can compare it: NVML's 'GPU-<hex>' (bytes in old pynvml) and
+    PyTorch's '<hex>' alike."""
+    text = (text.decode() if isinstance(text, bytes) else str(text)).strip().lower()
+    return text[4:] if text.startswith("gpu-") else text
+
+
+def cuda_device_ids(index: int) -> tuple[str, tuple[int, int, int]]:
+    """(UUID, (PCI domain, bus, device)) of CUDA device `index` as this process numbers it."""
+    props = torch.cuda.get_device_properties(index)
+    return _uuid(props.uuid), (props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
+
+
+def nvml_indices(cuda_devices: Sequence[int], nvml, handles: list) -> list[int]:
+    """NVML's index of each CUDA device. NVML numbers every GPU of the machine and ignores
+    CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER, so the two are matched by UUID (PCI address when
+    the UUIDs differ, as for MIG slices)."""
+    by_uuid, by_pci = {}, {}
+    for number, handle in enumerate(handles):
+        by_uuid[_uuid(nvml.nvmlDeviceGetUUID(handle))] = number
+        pci = nvml.nvmlDeviceGetPciInfo(handle)
+        by_pci[(pci.domain, pci.bus, pci.device)] = number
+    found = []
+    for index in cuda_devices:
+        uuid, pci = cuda_device_ids(index)
+        number = by_uuid.get(uuid, by_pci.get(pci))
+        if number is None:
+            raise GpuUnavailable(f"not available: CUDA device {index} (UUID {uuid}) is not among the "
+                                 f"{len(handles)} GPUs NVML reports")
+        found.append(number)
+    return found
+
+
+class NvmlReader:
+    """Reads the utilization and memory of the given CUDA devices through nvidia-ml-py (`pynvml`).
+
+    Each reading names the GPU by its CUDA index (`gpu`, as the run and PyTorch number it) and its
+    NVML index (`nvml_index`, as nvidia-smi numbers it). `nvml` replaces the pynvml module (tests).
+    """
+
+    def __init__(self, cuda_devices: Sequence[int], nvml=None):
+        if not cuda_devices:
+            raise GpuUnavailable(f"not available: this run uses no GPU (it runs on {du.info().device.type})")
+        if nvml is None:
+            try:
+                import pynvml as nvml
+            except ImportError as err:
+                raise GpuUnavailable("not available: nvidia-ml-py is not installed") from err
+        try:
+            nvml.nvmlInit()
+        except Exception as err:  # pynvml.NVMLError: no library, no driver, no permission
+            raise GpuUnavailable(f"not available: no NVIDIA driver or GPU ({err})") from err
+        self.nvml = nvml
+        try:
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+            if not handles:
+                raise GpuUnavailable("not available: the NVIDIA driver reports no GPU")
+            numbers = nvml_indices(cuda_devices, nvml, handles)
+        except BaseException:
+            nvml.nvmlShutdown()
+            raise
+        self.devices = [(cuda, number, handles[number]) for cuda, number in zip(cuda_devices, numbers)]
+
+    def __call__(self) -> list[dict]:
+        readings = []
+        for cuda, number, handle in self.devices:
+            memory = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+            readings.append({"gpu": cuda, "nvml_index": number,
+                             "util": float(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                             "mem_used_mb": memory.used / 2**20, "mem_total_mb": memory.total / 2**20})
+        return readings
+
+    def close(self) -> None:
+        self.nvml.nvmlShutdown()
+
+
+class GPUSampler:
+    """A background thread that samples the run's GPUs' utilization % and memory every `interval_s`.
+
+    `devices` are CUDA indices (default: `run_cuda_devices()`, the GPU of this process), so a run
+    on GPU 0 of an 8-GPU machine is judged by GPU 0 alone. Without an NVIDIA GPU it does nothing
+    and says so: `available` is False and `reason` (also `describe()`) explains why. `reader`
+    replaces NVML (a callable returning one reading per GPU).
+
+        with GPUSampler() as gpus:
+            ...train...
+        print(gpus.describe())
+    """
+
+    def __init__(self, interval_s: float = 1.0, reader: Callable[[], list[dict]] | None = None,
+                 devices: Sequence[int] | None = None):
+        self.interval_s = interval_s
+        self.devices = None if devices is None else list(devices)
+        self.samples: list[dict] = []
+        self.reason = ""
+        self._reader = reader
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def available(self) -> bool:
+        return not self.reason
+
+    def start(self) -> GPUSampler:
+        try:
+            if self._reader is None:
+                self._reader = NvmlReader(run_cuda_devices() if self.devices is None else self.devices)
+            self._sample()
+        except GpuUnavailable as err:
+            self.reason = str(err)
+            return self
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        now = time.time()
+        self.samples.extend({"time": now, **reading} for reading in self._reader())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        if isinstance(self._reader, NvmlReader):
+            self._reader.close()
+            self._reader = None
+
+    def __enter__(self) -> GPUSampler:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def latest(self) -> list[dict]:
+        """The newest reading of each GPU ([] when not available)."""
+        newest: dict[int, dict] = {}
+        for sample in self.samples:
+            newest[sample["gpu"]] = sample
+        return [newest[gpu] for gpu in sorted(newest)]
+
+    def summary(self) -> list[dict]:
+        """Per GPU: mean utilization %, peak memory used and total (MiB), sample count."""
+        by_gpu: dict[int, list[dict]] = {}
+        for sample in self.samples:
+            by_gpu.setdefault(sample["gpu"], []).append(sample)
+        return [{"gpu": gpu, "nvml_index": samples[0].get("nvml_index", gpu),
+                 "util_mean": statistics.fmean(s["util"] for s in samples),
+                 "mem_used_max_mb": max(s["mem_used_mb"] for s in samples),
+                 "mem_total_mb": samples[0]["mem_total_mb"], "samples": len(samples)}
+                for gpu, samples in sorted(by_gpu.items())]
+
+    def describe(self) -> str:
+        if not self.available:
+            return f"GPU sampler: {self.reason}"
+        return "; ".join(f"{gpu_name(g)}: {g['util_mean']:.0f} % busy, {g['mem_used_max_mb']:.0f} of "
+                         f"{g['mem_total_mb']:.0f} MiB at most ({g['samples']} samples)" for g in self.summary())
+
+
+def gpu_name(gpu: dict) -> str:
+    """'GPU 0', with nvidia-smi's number beside it where the two differ (CUDA_VISIBLE_DEVICES)."""
+    number = gpu.get("nvml_index", gpu["gpu"])
+    return f"GPU {gpu['gpu']}" + (f" (nvidia-smi GPU {number})" if number != gpu["gpu"] else "")
+
+
+def _nvml_value(call, *args, default=None):
+    try:
+        return call(*args)
+    except Exception:  # not supported on this GPU, or no permission
+        return default
+
+
+def gpu_health(nvml=None) -> list[dict]:
+    """Each GPU NVML sees: temperature, power, memory, uncorrected ECC errors, throttling, PCIe link;
+    `ok` False with the reason when something is off. [] without an NVIDIA driver (or pynvml)."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return []
+    try:
+        nvml.nvmlInit()
+    except Exception:
+        return []
+    rows = []
+    try:
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            name = _nvml_value(nvml.nvmlDeviceGetName, handle, default="?")
+            name = name.decode() if isinstance(name, bytes) else name
+            memory = _nvml_value(nvml.nvmlDeviceGetMemoryInfo, handle)
+            temp = _nvml_value(nvml.nvmlDeviceGetTemperature, handle, 0)
+            power = _nvml_value(nvml.nvmlDeviceGetPowerUsage, handle)
+            limit = _nvml_value(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+            ecc = _nvml_value(nvml.nvmlDeviceGetTotalEccErrors, handle, 1, 0)  # uncorrected, volatile
+            throttle = _nvml_value(getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                                   or nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle, default=0)
+            gen, width = (_nvml_value(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+                          _nvml_value(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle))
+            max_gen, max_width = (_nvml_value(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+                                  _nvml_value(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle))
+            problems = []
+            if ecc:
+                problems.append(f"{ecc} uncorrected ECC errors since the driver loaded: drain this GPU")
+            # idle (0x1) and applications-clocks setting (0x2) are normal; the rest slows the GPU
+            if throttle and throttle & ~0x3:
+                problems.append(f"clocks held down (reasons mask {throttle:#x}: power, thermal or sync boost)")
+            if temp is not None and temp >= 85:
+                problems.append(f"{temp} °C")
+            if width and max_width and width < max_width and gen and max_gen and gen < max_gen:
+                problems.append(f"PCIe gen {gen} x{width} of gen {max_gen} x{max_width} (idle GPUs drop the "
+                                "link speed; check again under load)")
+            rows.append({"gpu": index, "name": name, "temperature C": temp,
+                         "power W": power / 1000 if power is not None else None,
+                         "power limit W": limit / 1000 if limit is not None else None,
+                         "memory used MiB": memory.used / 2**20 if memory else None,
+                         "memory MiB": memory.total / 2**20 if memory else None,
+                         "uncorrected ECC": ecc, "PCIe": f"gen {gen} x{width}" if gen else None,
+                         "ok": not problems, "finding": "; ".join(problems) or "healthy"})
+    finally:
+        nvml.nvmlShutdown()
+    return rows
+
+
+def nvlink_links(index: int) -> int | None:
+    """Active NVLink links of GPU `index` (None when NVML cannot tell)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        active = 0
+        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                active += pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
+            except pynvml.NVMLError:
+                break
+        return active
+    except Exception:  # no NVML library, no driver, or a GPU without NVLink
+        return None
