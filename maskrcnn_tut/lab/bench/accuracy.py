@@ -23,7 +23,7 @@ from ...monitor import read_jsonl
 from ..machine import provenance
 from .results import BenchResult, python_call
 
-TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train.py"
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"
 #: The fast path's flags; batches of one orientation each (group factor 0), or fixed shapes pad mixed
 #: batches to a square and cost more pixels than they save.
 FAST_PATH = ("--fixed-shapes", "--aspect-ratio-group-factor", "0", "--compile-backbone", "--channels-last")

@@ -51,10 +51,10 @@ CACHE_VERSION = 1
 #: The sources that decide what a benchmark measures (paths relative to `maskrcnn_tut/`): the
 #: harness, the training step, the model, the config, the processes and the batches. The cached
 #: function's own module is hashed too. Other modules (plots, other sweeps) can change freely.
-CODE_SOURCES = ("bench/harness.py", "bench/results.py", "bench/cache.py", "engine.py", "model.py", "config.py",
-                "distributed.py", "rendezvous.py", "dataparallel.py", "data/loader.py", "data/coco.py",
+CODE_SOURCES = ("lab/bench/harness.py", "lab/bench/results.py", "lab/bench/cache.py", "engine.py", "model.py",
+                "config.py", "distributed.py", "rendezvous.py", "lab/dataparallel.py", "data/loader.py", "data/coco.py",
                 "data/shapes.py")
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def cache_dir() -> Path:
