@@ -71,7 +71,7 @@ def hardware_summary() -> dict[str, Any]:
 def version_pins(requirements: Path | str | None = None) -> list[dict[str, Any]]:
     """Each `name==version` pin of the repository's requirements.txt beside the installed version."""
     from importlib.metadata import PackageNotFoundError, version
-    path = Path(requirements) if requirements else Path(__file__).resolve().parents[3] / "requirements.txt"
+    path = Path(requirements) if requirements else Path(__file__).resolve().parents[2] / "requirements.txt"
     rows = []
     for line in path.read_text().splitlines():
         if "==" in line and not line.lstrip().startswith("#"):
@@ -132,7 +132,7 @@ def source_listing(obj, start: str | None = None, stop: str | None = None) -> st
     cannot silently show the wrong lines after the code changed."""
     lines, first = inspect.getsourcelines(obj)
     path = Path(inspect.getsourcefile(obj)).resolve()
-    package_root = Path(__file__).resolve().parents[3]
+    package_root = Path(__file__).resolve().parents[2]
     shown = path.relative_to(package_root) if path.is_relative_to(package_root) else path.name
     name = getattr(obj, "__qualname__", repr(obj))
 
