@@ -1,0 +1,96 @@
+"""Plain words for what a comparison of two measurements found: faster, slower or within noise.
+
+Every chapter says it through this module, so "within noise" means the same thing everywhere and
+is explained in one place. The verdict is a code (`FASTER`, `SLOWER`, `WITHIN_NOISE`,
+`NO_SPREAD`); its words come from `MESSAGES[lang]`, so an edition of the book in another language
+adds a table there and keeps every verdict.
+
+- `compare(a, b)`: two measured rows with their spreads (`bench.versus`: whole ranges apart or not).
+- `compare_to(row, value)`: a measured row's range against a fixed figure (`bench.above`).
+- `compare_figures(a, b, noise)`: two figures without spreads, within noise below a relative threshold.
+- `words(verdict, than)`, `times(ratio)`, `pick(verdict, ...)`: the phrase, "1.23 times", and one
+  template per verdict for sentences a chapter words its own way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .bench import above, versus
+
+FASTER, SLOWER, WITHIN_NOISE, NO_SPREAD = "faster", "slower", "within noise", "no spread"
+VERDICTS = (FASTER, SLOWER, WITHIN_NOISE, NO_SPREAD)
+_ORDER = {1: FASTER, -1: SLOWER, 0: WITHIN_NOISE, None: NO_SPREAD}
+
+#: The words of each verdict, by language. "noise" says once what "within noise" means.
+MESSAGES = {
+    "en": {
+        FASTER: "faster{than}, beyond the spread of both",
+        SLOWER: "slower{than}, beyond the spread of both",
+        WITHIN_NOISE: "within noise{of}: {noise}",
+        NO_SPREAD: "no spread recorded",
+        "than": " than {name}",
+        "of": " of {name}",
+        "noise": "the ranges overlap, too noisy to tell apart",
+        "times": "{ratio:.2f} times",
+    },
+}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A measured figure against another: `ratio` is a / b, `verdict` one of `VERDICTS`."""
+    ratio: float
+    verdict: str
+
+    def words(self, than: str = "", lang: str = "en", **own: str) -> str:
+        return words(self.verdict, than, lang, **own)
+
+    def times(self, lang: str = "en") -> str:
+        return times(self.ratio, lang)
+
+
+def compare(a: dict, b: dict, key: str = "img/s") -> Comparison:
+    """Row a against row b: faster or slower only when their whole ranges of `key` lie apart."""
+    return Comparison(a[key] / b[key], _ORDER[versus(a, b, key)])
+
+
+def compare_to(row: dict, value: float, key: str = "speedup") -> Comparison:
+    """A row's range of `key` against a fixed figure: faster (above it), slower, or within noise
+    when the range contains it."""
+    return Comparison(row[key] / value, _ORDER[above(row, value, key)])
+
+
+def compare_figures(a: float, b: float, noise: float) -> Comparison:
+    """Two figures without spreads: within noise when a differs from b by at most `noise` of b."""
+    ratio = a / b
+    verdict = WITHIN_NOISE if abs(ratio - 1) <= noise else FASTER if ratio > 1 else SLOWER
+    return Comparison(ratio, verdict)
+
+
+def words(verdict: str, than: str = "", lang: str = "en", **own: str) -> str:
+    """The verdict as a phrase, e.g. "slower than fp32, beyond the spread of both"; `own` words a
+    verdict the chapter's way (keyed like `pick`'s templates, e.g. a verdict of its own)."""
+    if verdict.replace(" ", "_") in own:
+        return pick(verdict, **own)
+    table = MESSAGES[lang]
+    named = {part: table[part].format(name=than) if than else "" for part in ("than", "of")}
+    return table[verdict].format(**named, noise=table["noise"])
+
+
+def noise(lang: str = "en") -> str:
+    """What "within noise" means, for sentences that say it in their own words."""
+    return MESSAGES[lang]["noise"]
+
+
+def times(ratio: float, lang: str = "en") -> str:
+    """'1.23 times', the phrasing of a ratio of speeds."""
+    return MESSAGES[lang]["times"].format(ratio=ratio)
+
+
+def pick(verdict: str, **templates: str) -> str:
+    """The template for `verdict` among `faster=`, `slower=`, `within_noise=`, `no_spread=`;
+    a verdict without a template is an error, so a chapter cannot silently say nothing."""
+    name = verdict.replace(" ", "_")
+    if name not in templates:
+        raise KeyError(f"no template for the verdict {verdict!r} (have: {', '.join(templates)})")
+    return templates[name]
