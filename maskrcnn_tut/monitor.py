@@ -8,11 +8,14 @@ across ranks, so none of them runs a collective):
 - `StragglerCheck(every=N, threshold=1.2)`: warns naming the slow rank when the slowest rank's
   median forward time over the last N steps exceeds `threshold` x the ranks' median.
 
-Around them: `GPUSampler` (a thread reading, through NVML, the utilization and memory of the GPUs
-this run uses, mapped from CUDA's numbering to NVML's; "not available" without an NVIDIA GPU),
-`step_row` / `read_jsonl` (metric rows as in `metrics.jsonl`) and `health_advice(rows, gpus)`
-(the article's healthy ranges as plain-language advice). The notebook views of the same figures
-(plots, the live dashboard) are in `dashboard`.
+Images per second, from one clock (`StepRecord.iter_time`, host time around a step) but several
+figures, each under its own name and defined here once: `img_per_s_mean` (all steps, slow ones
+included: `metrics.jsonl`'s `img_per_s` over a print window), `img_per_s_median` and
+`img_per_s_quartiles` (a benchmark's figure and its spread) and `img_per_s_wall` (a whole loop's
+wall time, evaluations and checkpoint saves included: train.py's summary).
+
+`metrics_row(records, ...)` is the row of `metrics.jsonl` for some steps (the logger's window, or
+one step for a notebook's live view); `read_jsonl` reads the file back.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import json
 import logging
 import statistics
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -37,8 +41,46 @@ def read_jsonl(path: Path | str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def img_per_s_mean(images_per_step: float, step_times: Sequence[float]) -> float:
+    """Images per second over all the given steps, slow ones included: images over total seconds."""
+    return images_per_step * len(step_times) / sum(step_times)
+
+
+def img_per_s_median(images_per_step: float, step_times: Sequence[float]) -> float:
+    """Images per step over the median step time: robust to the odd slow step (a new shape, an epoch start)."""
+    return images_per_step / statistics.median(step_times)
+
+
+def img_per_s_quartiles(images_per_step: float, step_times: Sequence[float]) -> tuple[float, float]:
+    """(low, high): images per step over the 75th and over the 25th percentile step time, the
+    spread of the middle half of the steps around `img_per_s_median`."""
+    if len(step_times) < 2:
+        return (img_per_s_median(images_per_step, step_times),) * 2
+    q1, _, q3 = statistics.quantiles(step_times, n=4, method="inclusive")
+    return images_per_step / q3, images_per_step / q1
+
+
+def img_per_s_wall(images: float, wall_seconds: float) -> float:
+    """Images over the wall-clock seconds of a whole training loop: everything the loop did in that
+    time counts, mid-run evaluations and checkpoint saves included."""
+    return images / max(wall_seconds, 1e-9)
+
+
+def metrics_row(records: Sequence, global_batch: int, device: torch.device) -> dict:
+    """The `metrics.jsonl` row of some steps' `StepRecord`s: the last step, the means of the loss,
+    its terms and the times, `img_per_s_mean` of the global batch, and the peak memory so far."""
+    n = len(records)
+    last = records[-1]
+    return {"step": last.step, "epoch": last.epoch, "lr": last.lr,
+            "loss": sum(r.loss for r in records) / n,
+            **{k: sum(r.terms[k] for r in records) / n for k in last.terms},
+            "data_time": sum(r.data_time for r in records) / n, "iter_time": sum(r.iter_time for r in records) / n,
+            "img_per_s": img_per_s_mean(global_batch, [r.iter_time for r in records]),
+            "max_mem_mb": peak_memory_mb(device), "skipped_steps": sum(r.skipped for r in records)}
+
+
 class MetricsLogger:
-    """Window-averaged step metrics to `metrics.jsonl`, TensorBoard and a tqdm bar (rank 0 only)."""
+    """Window-averaged step metrics (`metrics_row`) to `metrics.jsonl`, TensorBoard and a tqdm bar (rank 0 only)."""
 
     def __init__(self, output_dir: Path | None, total_steps: int, start_step: int, global_batch: int,
                  device: torch.device, print_freq: int, progress: bool, tensorboard: bool = True):
@@ -63,17 +105,7 @@ class MetricsLogger:
     def flush(self) -> None:
         if not self.window:
             return
-        n = len(self.window)
-        last = self.window[-1]
-        iter_time = sum(r.iter_time for r in self.window) / n
-        data_time = sum(r.data_time for r in self.window) / n
-        row = {"step": last.step, "epoch": last.epoch, "lr": last.lr,
-               "loss": sum(r.loss for r in self.window) / n,
-               **{k: sum(r.terms[k] for r in self.window) / n for k in last.terms},
-               "data_time": data_time, "iter_time": iter_time,
-               "img_per_s": self.global_batch / iter_time,
-               "max_mem_mb": peak_memory_mb(self.device),
-               "skipped_steps": sum(r.skipped for r in self.window)}
+        row = metrics_row(self.window, self.global_batch, self.device)
         self.window.clear()
         self.history.append(row)
         if self.metrics_file:
@@ -84,7 +116,7 @@ class MetricsLogger:
                 if key not in ("step", "epoch"):
                     self.writer.add_scalar(f"train/{key}", value, row["step"])
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", img_s=f"{row['img_per_s']:.1f}",
-                             data=f"{100 * data_time / iter_time:.0f}%")
+                             data=f"{100 * row['data_time'] / row['iter_time']:.0f}%")
 
     def log_eval(self, step: int, metrics: dict) -> None:
         if self.output_dir:
@@ -102,9 +134,6 @@ class MetricsLogger:
             self.metrics_file.close()
         if self.writer:
             self.writer.close()
-
-
-# --------------------------------------------------------------------------- GPUs through NVML
 
 
 # --------------------------------------------------------------------------- stragglers
@@ -146,8 +175,3 @@ class StragglerCheck:
             self.warnings.append(message)
             if du.info().is_main:
                 log.warning(message)
-
-
-# --------------------------------------------------------------------------- health advice
-
-

@@ -16,7 +16,7 @@ from conftest import subprocess_env
 
 from maskrcnn_tut import config, engine
 from maskrcnn_tut.errors import BenchError
-from maskrcnn_tut.lab import bench, machine
+from maskrcnn_tut.lab import bench, machine, rig
 from maskrcnn_tut.lab.bench import sweeps
 
 TINY = dict(min_size=64, max_size=96, batch_size=2)
@@ -34,9 +34,9 @@ def test_measure_times_the_training_step_after_warmup():
     assert row["peak MiB/device"] > 100 and row["data ms"] < row["compute ms"]
     # the settings train.py runs with (config.derive): lr scaled from the reference batch to this one
     derived = config.derive(cfg, 1, "cpu")
-    assert measured.lr == derived.lr == pytest.approx(cfg.lr * 2 / config.REFERENCE_BATCH)
-    factor = engine.lr_schedule(cfg.warmup_steps, bench.harness.SCHEDULE_STEPS, cfg.lr_decay)
-    assert [r.lr for r in seen] == pytest.approx([derived.lr * factor(r.step - 1) for r in seen])
+    assert measured.lr == derived.scaled_lr == pytest.approx(cfg.lr * 2 / config.REFERENCE_BATCH)
+    factor = engine.lr_schedule(cfg.warmup_steps, rig.LONG_SCHEDULE, cfg.lr_decay)
+    assert [r.lr for r in seen] == pytest.approx([derived.scaled_lr * factor(r.step - 1) for r in seen])
     with pytest.raises(ValueError, match="natural, fixed or varying"):
         bench.measure(cfg, steps=1, warmup=0, shape="square")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from maskrcnn_tut import distributed as du
-from maskrcnn_tut.lab import processes, proofs
+from maskrcnn_tut.lab import processes, proofs, rig
 
 META = torch.device("meta")
 
@@ -18,15 +18,15 @@ META = torch.device("meta")
 def test_accumulated_gradients_train_on_the_models_device(monkeypatch):
     seen = {}
 
-    def spy_train_step(model, optimizer, scaler, batches, cfg, device, state, term_names):
+    def spy_train_step(model, optimizer, scaler, batches, cfg, device, state, term_names, stop_requested):
         seen.update(device=device, cfg_device=cfg.device, precision=cfg.precision)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
 
-    monkeypatch.setattr(proofs, "train_step", spy_train_step)
+    monkeypatch.setattr(rig, "train_step", spy_train_step)
     model = proofs.TinyDetector().to(META)
     grads = proofs.accumulated_gradients(model, proofs.toy_batches(1, 2), 1)
-    assert seen == {"device": META, "cfg_device": "meta", "precision": "float32"}
+    assert seen == {"device": META, "cfg_device": META, "precision": "float32"}
     assert {g.device for g in grads.values()} == {META}
 
 
@@ -53,7 +53,7 @@ def test_accumulation_check_is_exact_on_the_cpu():
 
 
 def test_demo_processes_need_two_gpus_for_nccl(monkeypatch):
-    monkeypatch.setattr(proofs, "gpu_count", lambda: 1)
+    monkeypatch.setattr(processes, "gpu_count", lambda: 1)
     assert processes.demo_processes() == (2, "gloo")
-    monkeypatch.setattr(proofs, "gpu_count", lambda: 8)
+    monkeypatch.setattr(processes, "gpu_count", lambda: 8)
     assert processes.demo_processes() == (8, None)

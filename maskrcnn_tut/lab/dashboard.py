@@ -1,7 +1,7 @@
 """Notebook views of a run's figures: `plot_metrics` and the live ipywidgets dashboard.
 
 - `plot_metrics(rows)`: data vs compute time per step, throughput and peak memory (rows as in
-  `metrics.jsonl` or `dashboard.step_row`).
+  `metrics.jsonl`: `monitor.metrics_row`).
 - `LiveDashboard(global_batch)`: a training callback that shows progress, img/s, data share, memory
   and GPU use while training runs in a notebook, and leaves a static matplotlib figure in the
   rendered page.
@@ -16,7 +16,8 @@ import statistics
 import torch
 
 from .. import distributed as du
-from ..hardware import device_memory_mb, peak_memory_mb
+from ..hardware import device_memory_mb
+from ..monitor import metrics_row
 from .gpus import GPUSampler
 from .health import MAX_MEMORY_FRACTION
 from .machine import hardware_label
@@ -88,7 +89,7 @@ class LiveDashboard:
                                          display_id=True)
 
     def __call__(self, record) -> None:
-        self.rows.append(step_row(record, self.global_batch, self.device))
+        self.rows.append(metrics_row([record], self.global_batch, self.device))
         if self.live:
             self._update_status()
             if record.step % self.redraw_every == 0:
@@ -118,10 +119,3 @@ class LiveDashboard:
         """Draw the final figure (in a notebook; elsewhere call `figure()`)."""
         if self.live and self.rows:
             self.redraw()
-
-
-def step_row(record, global_batch: int, device: torch.device) -> dict:
-    """One step's figures with the keys of `metrics.jsonl` (what the plots and advice read)."""
-    return {"step": record.step, "loss": record.loss, "data_time": record.data_time,
-            "iter_time": record.iter_time, "img_per_s": global_batch / record.iter_time,
-            "max_mem_mb": peak_memory_mb(device)}

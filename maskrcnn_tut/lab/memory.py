@@ -10,8 +10,8 @@
   allocator's peak (`torch.cuda.max_memory_allocated`) on a GPU, the peak resident set size
   (VmHWM) on a CPU, with glibc told to return freed tensors to the OS (`MALLOC_MMAP_THRESHOLD_`)
   so RSS follows the live tensors. A step's rise is gradients + optimizer state + activations,
-  `MemoryBreakdown.growth_mb` (a little less when activations dominate: backward frees them while
-  gradients appear; cpu-tiny measured +4 % at 128 px x 2, -11 % at 256 px x 4).
+  `MemoryBreakdown.growth_mb` (less when activations dominate: backward frees them while the
+  gradients appear, so the two never peak together).
 - `memory_table(preset, image_sizes, batch_sizes)`: the chapter 1 table and plot, "memory by image
   size and batch" (R50-FPN up to 1024x1024 by default) against a GPU's memory. Activations are
   measured at a few sizes and fitted per image as a + b x pixels, then scaled by the batch; rows
@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -31,19 +30,13 @@ from maskrcnn_tut.lab import processes
 from .. import distributed as du
 from ..config import Config, derive, make_config
 from ..data.loader import to_device
-from ..engine import (
-    TrainState,
-    amp_dtype,
-    autocast,
-    build_optimizer,
-    make_scaler,
-    train_step,
-)
+from ..engine import autocast, autocast_dtype, build_optimizer
 from ..hardware import current_memory_mb, peak_memory_mb, reset_peak_memory
 from ..model import build_model
 from .bench.harness import environment
 from .bench.results import BenchResult, python_call
 from .machine import provenance
+from .rig import Rig, build_rig, synthetic_batches
 from .synthetic import synthetic_batch
 
 MIB = 2**20
@@ -83,19 +76,18 @@ class MemoryBreakdown:
                 "activations MiB": round(self.activations_mb), "total MiB": round(self.total_mb)}
 
 
-def _sized(cfg: Config, image_size: int, device: torch.device) -> Config:
-    """The config at square `image_size` inputs, derived for one process on `device`."""
-    return derive(dataclasses.replace(cfg, min_size=image_size, max_size=image_size), 1, device)
+def _sized(cfg: Config, image_size: int, batch_size: int = 1) -> Config:
+    """The settings at `batch_size` square `image_size` inputs (underived)."""
+    return dataclasses.replace(cfg, min_size=image_size, max_size=image_size, batch_size=batch_size)
 
 
 def _tensor_mb(tensors) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / MIB
 
 
-def _model_and_optimizer(cfg: Config, device: torch.device):
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, num_classes=4).to(device).train()
-    return model, build_optimizer(model, cfg)
+def _rig(settings: Config, device: torch.device | str) -> Rig:
+    """The settings' rig on `device`, on synthetic batches of its size."""
+    return build_rig(settings, device=device, batches=synthetic_batches(settings))
 
 
 def _activations(model, images, targets, cfg: Config, device: torch.device) -> tuple[float, int]:
@@ -119,35 +111,31 @@ def _activations(model, images, targets, cfg: Config, device: torch.device) -> t
 def breakdown(cfg: Config, image_size: int, batch_size: int,
               device: torch.device | str | None = None) -> MemoryBreakdown:
     """Parameters, gradients, optimizer state and activations of one training step (see module doc)."""
-    device = torch.device(device) if device is not None else du.info().device
-    cfg = _sized(cfg, image_size, device)
-    model, optimizer = _model_and_optimizer(cfg, device)
+    rig = _rig(_sized(cfg, image_size, batch_size), device if device is not None else du.info().device)
+    cfg, device, model, optimizer = rig.cfg, rig.device, rig.module, rig.optimizer
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.grad = torch.zeros_like(p)
     optimizer.step()  # creates the optimizer's state (AdamW: two moments per parameter)
     optimizer_mb = _tensor_mb(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
     optimizer.zero_grad(set_to_none=True)
-    activations_mb, count = _activations(model, *synthetic_batch(image_size, batch_size), cfg, device)
-    dtype = amp_dtype(cfg)
+    activations_mb, count = _activations(model, *next(rig.batches), cfg, device)
+    dtype = autocast_dtype(cfg)
     return MemoryBreakdown(preset=cfg.preset, image_size=image_size, batch_size=batch_size, device=str(device),
                            autocast=str(dtype).replace("torch.", "") if dtype else "off (fp32)",
                            parameters_mb=_tensor_mb(model.parameters()), gradients_mb=_tensor_mb(trainable),
                            optimizer_mb=optimizer_mb, activations_mb=activations_mb, saved_tensors=count)
 
 
-def _train(cfg: Config, image_size: int, batch_size: int, steps: int, device: torch.device) -> tuple[float, float]:
-    """Build the model and optimizer, train `steps` steps on one synthetic batch; returns the memory
-    in use once the model is loaded and the peak over the steps (MiB); `cfg` is derived."""
-    model, optimizer = _model_and_optimizer(cfg, device)
-    scaler = make_scaler(cfg, device)
-    batches = itertools.repeat(synthetic_batch(image_size, batch_size))
-    loaded = current_memory_mb(device)
-    reset_peak_memory(device)
-    state, names = TrainState(), []
+def _train(settings: Config, steps: int, device: torch.device) -> tuple[float, float]:
+    """Build the settings' rig, train `steps` steps on one synthetic batch; returns the memory in
+    use once the model is loaded and the peak over the steps (MiB)."""
+    rig = _rig(settings, device)
+    loaded = current_memory_mb(rig.device)
+    reset_peak_memory(rig.device)
     for _ in range(steps):
-        train_step(model, optimizer, scaler, batches, cfg, device, state, names)
-    return loaded, peak_memory_mb(device)
+        rig.step()
+    return loaded, peak_memory_mb(rig.device)
 
 
 def growth_worker(cfg: Config, image_size: int, batch_size: int, steps: int) -> float:
@@ -158,10 +146,10 @@ def growth_worker(cfg: Config, image_size: int, batch_size: int, steps: int) -> 
     """
     torch.set_num_threads(1)
     device = du.info().device
-    cfg = _sized(dataclasses.replace(cfg, pin_memory=False), image_size, device)
-    _train(cfg, image_size, batch_size, 1, device)
+    settings = _sized(dataclasses.replace(cfg, pin_memory=False), image_size, batch_size)
+    _train(settings, 1, device)
     reset_peak_memory(device)  # hands the throwaway run's memory back
-    loaded, peak = _train(cfg, image_size, batch_size, steps, device)
+    loaded, peak = _train(settings, steps, device)
     return peak - loaded
 
 
@@ -249,10 +237,11 @@ def derived_bytes(optimizer: str, momentum: float = 0.9) -> dict[str, int]:
     return {"weights": 4, "gradients": 4, "optimizer state": state}
 
 
-def _step_bytes(model, cfg: Config, optimizers: tuple[str, ...], image_size: int, device: torch.device) -> dict:
-    """One real forward and backward of `model` under `cfg`'s autocast (batch 1), then one
+def _step_bytes(model, settings: Config, optimizers: tuple[str, ...], image_size: int, device: torch.device) -> dict:
+    """One real forward and backward of `model` under the settings' autocast (batch 1), then one
     `step()` of a fresh optimizer of each kind in `optimizers` on those gradients: MiB of the
     weights and gradients, of each optimizer's state, and the gradients' dtype."""
+    cfg = _derived(settings, device)
     model.zero_grad(set_to_none=True)
     images, targets = to_device(*synthetic_batch(image_size, 1), device)
     with autocast(cfg, device):
@@ -263,7 +252,7 @@ def _step_bytes(model, cfg: Config, optimizers: tuple[str, ...], image_size: int
     measured = {"weights": _tensor_mb(parameters), "gradients": _tensor_mb(grads),
                 "gradient dtype": str(grads[0].dtype).replace("torch.", "")}
     for kind in optimizers:
-        optimizer = build_optimizer(model, dataclasses.replace(cfg, optimizer=kind))
+        optimizer = build_optimizer(model, _derived(dataclasses.replace(settings, optimizer=kind), device))
         optimizer.step()
         measured[kind] = _tensor_mb(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
         del optimizer
@@ -271,8 +260,14 @@ def _step_bytes(model, cfg: Config, optimizers: tuple[str, ...], image_size: int
     return measured
 
 
-def _recipe_config(base: Config, amp: bool, image_size: int, device: torch.device) -> Config:
-    return _sized(dataclasses.replace(base, amp=amp, amp_dtype=None), image_size, device)
+def _recipe(base: Config, amp: bool, image_size: int) -> Config:
+    """The base settings at one recipe's autocast (its preset's dtype for the device) and size."""
+    return _sized(dataclasses.replace(base, amp=amp, amp_dtype=None), image_size)
+
+
+def _derived(settings: Config, device: torch.device) -> Config:
+    """Settings derived for one process on `device`: the autocast a recipe's step runs under."""
+    return derive(settings, 1, device)
 
 
 #: RPN/RoI sampling for `bytes_per_parameter`'s steps: lighter sampling changes no parameter, only time.
@@ -293,14 +288,14 @@ def bytes_per_parameter(preset: str = "gpu-r50", image_size: int = 96,
     """
     device = torch.device(device) if device is not None else du.info().device
     base = make_config(preset, **LIGHT_SAMPLING)
-    model, _ = _model_and_optimizer(_recipe_config(base, False, image_size, device), device)
+    model = _rig(_recipe(base, False, image_size), device).module
     count = sum(p.numel() for p in model.parameters())
     optimizers = tuple(dict.fromkeys(optimizer for _, optimizer, _ in RECIPES))
-    steps = {amp: _step_bytes(model, _recipe_config(base, amp, image_size, device), optimizers, image_size, device)
+    steps = {amp: _step_bytes(model, _recipe(base, amp, image_size), optimizers, image_size, device)
              for amp in (False, True)}
     rows = []
     for name, optimizer, amp in RECIPES:
-        cfg = _recipe_config(base, amp, image_size, device)
+        cfg = _derived(_recipe(base, amp, image_size), device)
         derived = derived_bytes(optimizer, cfg.momentum)
         step = steps[amp]
         measured = {"weights": step["weights"], "gradients": step["gradients"], "optimizer state": step[optimizer]}
@@ -311,7 +306,7 @@ def bytes_per_parameter(preset: str = "gpu-r50", image_size: int = 96,
                      **{f"measured {part} B": per_param[part] for part in derived},
                      "as derived": all(abs(per_param[p] - derived[p]) < 0.01 for p in derived),
                      "gradient dtype": step["gradient dtype"],
-                     "autocast": str(amp_dtype(cfg)).replace("torch.", "") if amp else "off"})
+                     "autocast": str(autocast_dtype(cfg)).replace("torch.", "") if amp else "off"})
     notes = [f"{preset}: {base.backbone}-FPN, {count:,} parameters; derived MiB = bytes per parameter x that count. "
              "Measured: the weights and gradients after one real forward and backward on "
              f"{device.type} ({image_size} px, batch 1), and each optimizer's state after its first step().",
@@ -338,12 +333,12 @@ def autocast_activations(preset: str = "gpu-r50", image_sizes: tuple[int, ...] =
     """
     device = torch.device(device) if device is not None else du.info().device
     base = make_config(preset)
-    model, _ = _model_and_optimizer(_recipe_config(base, False, image_sizes[0], device), device)
+    model = _rig(_recipe(base, False, image_sizes[0]), device).module
     rows = []
     for size in image_sizes:
         model.transform.min_size, model.transform.max_size = (size,), size  # resize to this size, as _sized
-        fp32, amp = (_activations(model, *synthetic_batch(size, 1), _recipe_config(base, on, size, device), device)[0]
-                     for on in (False, True))
+        fp32, amp = (_activations(model, *synthetic_batch(size, 1), _derived(_recipe(base, on, size), device),
+                                  device)[0] for on in (False, True))
         rows.append({"image size": size, "fp32 MiB": fp32, "autocast MiB": amp, "activations": "counted"})
     first, last = rows[0], rows[-1]
     for size in extrapolate_to:

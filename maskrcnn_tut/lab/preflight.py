@@ -6,12 +6,9 @@ big enough, can the processes talk fast enough, is every GPU healthy, and what t
   told otherwise (Docker's default, and the container runtime's under Kubernetes).
 - `NCCL_VARIABLES`, `nccl_environment()`: the NCCL and torch variables worth knowing, and which
   of them this process has set.
-- `allreduce_bandwidth(sizes_mb)`: run inside `processes.launch`: all-reduce time per message
-  size and the bus bandwidth it reached (nccl-tests' definition: 2(N-1)/N x bytes / time).
-- `gpu_health()`: per GPU through NVML: temperature, power, memory, uncorrected ECC errors,
-  clock throttling and the PCIe link (a GPU on a narrower or slower link than it can use is a
-  straggler waiting to happen); [] without an NVIDIA GPU.
-- `preflight(nprocs)`: all of the above as rows of (check, ok, finding, what to do).
+- `preflight(nprocs)`: those, an all-reduce across the processes (`bench.communication.
+  allreduce_bandwidth`: time per message size and the bus bandwidth it reached) and each GPU's
+  health (`gpus.gpu_health`), as rows of (check, ok, finding, what to do).
 - `diagnose_hang(...)`: a hang reproduced on purpose (one rank stalls in a loop before a
   collective, the others wait in it) and each rank's Python stack read from outside: with
   `py-spy dump --pid PID` where py-spy is installed, else with `faulthandler` through a signal.
@@ -24,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +34,7 @@ from maskrcnn_tut.lab import processes
 
 from .. import distributed as du
 from ..hardware import gpu_count
+from .bench.communication import allreduce_bandwidth
 from .gpus import gpu_health
 
 #: Below this /dev/shm is too small for a few DataLoader workers per GPU and NCCL's buffers.
@@ -115,34 +112,7 @@ def nccl_environment(environ: dict | None = None) -> list[dict]:
     return [{**row, "set here": environ.get(row["variable"].split("=")[0], "")} for row in NCCL_VARIABLES]
 
 
-# --------------------------------------------------------------------------- bandwidth
-
-
-def allreduce_bandwidth(sizes_mb: tuple[float, ...] = (1.0, 16.0, 64.0), repeats: int = 5) -> list[dict]:
-    """Run inside `processes.launch`: per message size, the median time of one all-reduce over
-    every process (after one warm-up round) and the bus bandwidth it reached. Rows on every rank."""
-    info = du.info()
-    rows = []
-    for size in sizes_mb:
-        device = info.device if info.backend == "nccl" else torch.device("cpu")  # gloo: host memory
-        tensor = torch.zeros(max(1, int(size * 2**20 / 4)), device=device)
-        times = []
-        for _ in range(repeats + 1):
-            du.barrier()
-            start = time.perf_counter()
-            du.all_reduce_sum(tensor)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times[1:])
-        n = info.world_size
-        rows.append({"MB": size, "processes": n, "backend": info.backend, "ms": 1000 * seconds,
-                     "ms min": 1000 * min(times[1:]), "ms max": 1000 * max(times[1:]),
-                     "bus GB/s": 2 * (n - 1) / n * tensor.numel() * 4 / seconds / 1e9})
-    return rows
-
-
-# --------------------------------------------------------------------------- GPU health
+# --------------------------------------------------------------------------- the checks together
 
 
 def preflight(nprocs: int | None = None, sizes_mb: tuple[float, ...] = (1.0, 16.0, 64.0),

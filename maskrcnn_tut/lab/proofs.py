@@ -1,5 +1,4 @@
-"""The experiments the chapters run and assert: exact proofs of what the training step does, and the
-other measurements that exist only to be shown in the book.
+"""The experiments the chapters run and assert: exact proofs of what the training step does.
 
 A detection-shaped toy model (lists of images and target dicts in, a loss dict out) runs through
 the real `engine.train_step`, so the proofs exercise the same accumulation, `no_sync` and
@@ -8,15 +7,15 @@ all-reduce code that trains Mask R-CNN, at a size where float rounding is the on
 - `accumulation_check`: K accumulated micro-batches of B give the gradient of one batch of K*B (ch. 7).
 - `ddp_accumulation_check`: the same under DDP, and one all-reduce per optimizer step with `no_sync`.
 - `gradient_noise`: how far one batch's gradient is from the average, by batch size (ch. 1).
-- `process_report`, `demo_processes`: what each process started by `processes.launch` sees (ch. 4).
-- `imbalance_run`, `allreduce_timing`: chapter 9's straggler and communication experiments.
+- `first_batches`: the first batch of each epoch, with and without `set_epoch` (ch. 3).
+
+Chapter 9's straggler and all-reduce measurements are in `bench.communication`.
 
 The functions named "run inside `processes.launch`" are called as `processes.launch(proofs.f, n, ...)`.
 """
 from __future__ import annotations
 
-import statistics
-import time
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -24,11 +23,8 @@ from torch import nn
 
 from .. import distributed as du
 from ..config import Config, derive, make_config
-from ..data.loader import build_datasets, build_train_loader, collate, to_device
-from ..engine import TrainState, build_optimizer, make_scaler, train_step
-from ..model import build_model
-from ..monitor import StragglerCheck
-from . import bench
+from ..data.loader import build_dataset, build_train_loader, collate, to_device
+from .rig import build_rig
 
 
 class TinyDetector(nn.Module):
@@ -64,13 +60,12 @@ def model_device(model: nn.Module) -> torch.device:
     return next(du.unwrap(model).parameters()).device
 
 
-def accumulated_gradients(model: nn.Module, batches, accum_steps: int) -> dict[str, torch.Tensor]:
-    """Gradients left by one `engine.train_step` over `accum_steps` micro-batches, on the model's device."""
-    device = model_device(model)
-    cfg = derive(make_config("cpu-tiny", accum_steps=accum_steps, optimizer="sgd", lr=1e-9, weight_decay=0.0),
-                 du.info().world_size, device)
-    optimizer = build_optimizer(model, cfg)
-    train_step(model, optimizer, make_scaler(cfg, device), iter(batches), cfg, device, TrainState(), [])
+def accumulated_gradients(model: nn.Module, batches, accum_steps: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Gradients left by one `engine.train_step` over `accum_steps` micro-batches, on the model's
+    device (the lab's rig around the model, seeded with `seed` as a run with that --seed is)."""
+    settings = make_config("cpu-tiny", accum_steps=accum_steps, optimizer="sgd", lr=1e-9, weight_decay=0.0, seed=seed)
+    rig = build_rig(settings, device=model_device(model), batches=batches, model=model, wrap=None)
+    rig.step()
     return {name: p.grad.detach().clone() for name, p in du.unwrap(model).named_parameters()}
 
 
@@ -155,15 +150,14 @@ def gradient_noise(cfg: Config, batch_sizes: Sequence[int], images_per_size: int
     Each row: batch size, batches (k), the noise, and its jackknife standard error over the k
     batches (`noise SE`; None when k < 3). Needs k >= 2 for every batch size.
     """
-    train_set, _ = build_datasets(cfg)
+    rig = build_rig(dataclasses.replace(cfg, seed=seed), device="cpu")
+    train_set, model = rig.train_set, rig.module
     if images_per_size > len(train_set):
         raise ValueError(f"gradient_noise: a pool of {images_per_size} images, but the dataset has {len(train_set)}")
     too_large = [b for b in batch_sizes if images_per_size // b < 2]
     if too_large:
         raise ValueError(f"gradient_noise: batch size(s) {too_large} leave fewer than two batches in a pool of "
                          f"{images_per_size} images; use images_per_size >= {2 * max(too_large)}")
-    torch.manual_seed(seed)
-    model = build_model(cfg, train_set.num_classes)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed)).tolist()
     size = sum(p.numel() for p in model.parameters())
@@ -173,9 +167,9 @@ def gradient_noise(cfg: Config, batch_sizes: Sequence[int], images_per_size: int
         grads = torch.empty(k, size, dtype=torch.bfloat16)  # k gradients, in half the bytes of fp32
         for b in range(k):
             model.load_state_dict(start)
-            torch.manual_seed(seed + b * batch_size)
             batch = collate([train_set[i] for i in order[b * batch_size:(b + 1) * batch_size]])
-            grads[b] = torch.cat([g.flatten() for g in accumulated_gradients(model, [batch], 1).values()])
+            grads[b] = torch.cat([g.flatten() for g in accumulated_gradients(model, [batch], 1,
+                                                                              seed + b * batch_size).values()])
         noise, error = _noise_from_gram(_gram(grads))
         rows.append({"batch size": batch_size, "batches": k, "relative gradient noise": noise, "noise SE": error})
         del grads
@@ -221,65 +215,7 @@ def _noise_from_gram(gram: torch.Tensor) -> tuple[float, float | None]:
     return noise, ((k - 1) / k * sum((v - mean) ** 2 for v in leave_one_out)) ** 0.5
 
 
-# --------------------------------------------------------------------------- chapter 4
-
-
-# --------------------------------------------------------------------------- chapter 9
-
-
-def imbalance_run(batch_sizes: Sequence[Sequence[int]], steps: int = 6, warmup: int = 1) -> list[dict]:
-    """Run inside `processes.launch`: for each entry of `batch_sizes`, DDP steps where rank r
-    trains `entry[r]` images per step.
-
-    Returns, per entry, each rank's median forward time per step (its own work, which no
-    collective waits in: what `monitor.StragglerCheck` compares), the median step time (every rank
-    waits for the slowest at the all-reduce) and the check's warnings.
-    """
-    info = du.info()
-    results = []
-    for per_rank in batch_sizes:
-        check = StragglerCheck(every=warmup + steps)
-        forward: list[list[float]] = []
-        data = bench.bench_dataset(info.world_size * max(per_rank))  # one dataset, enough for the largest batch
-        cfg = bench.bench_config(data_path=str(data), batch_size=per_rank[info.rank])
-        measured = bench.measure(cfg, steps=steps, warmup=warmup,
-                                 callbacks=[check, lambda record: forward.append(record.rank_forward_times)])
-        results.append({"batch per rank": list(per_rank),
-                        "forward s per rank": [statistics.median(times) for times in zip(*forward)],
-                        "step s": statistics.median(measured.iter_times), "step s all": list(measured.iter_times),
-                        "warnings": check.warnings})
-    return results
-
-
-def allreduce_timing(total_mb: float, bucket_mbs: Sequence[float], repeats: int = 5) -> list[dict]:
-    """Run inside `processes.launch`: median time to all-reduce `total_mb` of fp32 gradients in
-    buckets of each size, and in the default bucket size after compressing them to fp16 (what
-    DDP's fp16 compression hook sends). Returns rows on every rank."""
-    info = du.info()
-    gradients = torch.zeros(int(total_mb * 2**20 / 4), device=info.device)
-
-    def median_seconds(chunks: list[torch.Tensor]) -> float:
-        times = []
-        for _ in range(repeats + 1):  # the first round warms the connections up
-            du.barrier()
-            start = time.perf_counter()
-            for chunk in chunks:
-                du.all_reduce_sum(chunk)
-            if info.device.type == "cuda":
-                torch.cuda.synchronize(info.device)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[1:])
-
-    rows = []
-    for bucket in bucket_mbs:
-        chunks = list(gradients.split(max(1, int(bucket * 2**20 / 4))))
-        rows.append({"sent as": f"fp32 in {bucket:g} MB buckets", "all-reduces": len(chunks),
-                     "MB per process": total_mb, "ms": 1000 * median_seconds(chunks)})
-    default_bucket = 25.0
-    chunks = list(gradients.half().split(max(1, int(default_bucket * 2**20 / 2))))
-    rows.append({"sent as": f"fp16 in {default_bucket:g} MB buckets (compressed)", "all-reduces": len(chunks),
-                 "MB per process": total_mb / 2, "ms": 1000 * median_seconds(chunks)})
-    return rows
+# --------------------------------------------------------------------------- chapter 3
 
 
 def first_batches(cfg: Config, set_epoch: bool, epochs: int = 2, rank: int = 0, world_size: int = 2) -> list[list[int]]:
@@ -287,8 +223,8 @@ def first_batches(cfg: Config, set_epoch: bool, epochs: int = 2, rank: int = 0, 
     package's training loader (`build_train_loader`: a `DistributedSampler` when world_size > 1),
     in a loop that calls `sampler.set_epoch(epoch)` before each epoch, or (set_epoch=False) the
     article's loop that never does. No process group is needed: the sampler takes rank and size."""
-    train_set, _ = build_datasets(cfg)
-    loader = build_train_loader(train_set, cfg, rank, world_size)
+    run = derive(cfg, world_size, "cpu")
+    loader = build_train_loader(build_dataset(run, "train"), run, rank, world_size)
     sampler = loader.batch_sampler.batch_sampler.sampler  # ResumableBatches -> batch sampler -> DistributedSampler
     firsts = []
     for epoch in range(epochs):

@@ -1,7 +1,7 @@
 """Where one training step's memory goes over time, and which input shapes its layers meet.
 
 - `memory_timeline(cfg, batch_size, accum_steps, amp_dtype)`: one real `engine.train_step` of the
-  config's Mask R-CNN on the CPU, on `data.synthetic.synthetic_batch` images, with autograd's saved-tensor
+  config's Mask R-CNN on the CPU, on `synthetic.synthetic_batch` images, with autograd's saved-tensor
   hooks (what `memory.breakdown` counts) and per-parameter gradient hooks installed: the MiB that
   autograd holds for backward at every moment (each storage counted once, parameters left out;
   released when backward has used its last reference), the MiB of gradients, and the constant
@@ -10,7 +10,8 @@
 - `cuda_memory_timeline(cfg, batch_size, path)`: on a GPU, the allocator's own record of the step
   (`torch.cuda.memory._record_memory_history`), saved as a snapshot for pytorch.org/memory_viz.
 - `plot_memory_timelines(timelines)`: the timelines side by side, stacked, with each peak marked.
-- `batch_shapes(cfg)`: the padded batch shapes one epoch gives the backbone (the transform only).
+- `batch_shapes(cfg)`: the padded batch shapes the backbone meets over one epoch (or a number of
+  batches) of the config's loader: the model's own transform only, no training.
 - `shape_census(cfg, steps)`: the distinct input shapes the backbone and the mask head meet over
   real training steps (forward pre-hooks): cudnn.benchmark autotunes once per new shape (ch. 6).
 """
@@ -18,20 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..config import Config, derive
-from ..data.loader import batch_stream, build_datasets, build_train_loader
-from ..engine import TrainState, build_optimizer, make_scaler, train_step
-from ..model import build_model
-from .bench import (
-    multiscale_sizes,  # (before .memory, whose import of bench would otherwise go in a circle)
-)
-from .synthetic import synthetic_batch
+from ..config import Config
+from .bench.harness import multiscale_sizes
+from .memory import breakdown
+from .rig import build_rig, synthetic_batches
 
 MIB = 2**20
 #: Parts of torchvision's Mask R-CNN, in forward order, that name where the saved tensors come from.
@@ -78,13 +76,11 @@ class MemoryTimeline:
 def memory_timeline(cfg: Config, batch_size: int, accum_steps: int = 1, amp_dtype: str | None = None,
                     image_size: int | None = None, label: str = "") -> MemoryTimeline:
     """The timeline of one optimizer step (module doc), in this process, on the CPU."""
-    device = torch.device("cpu")
     size = image_size or cfg.min_size
-    cfg = derive(dataclasses.replace(cfg, batch_size=batch_size, accum_steps=accum_steps, amp=amp_dtype is not None,
-                                     amp_dtype=amp_dtype, min_size=size, max_size=size, pin_memory=False), 1, device)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, num_classes=4).train()
-    optimizer = build_optimizer(model, cfg)
+    settings = dataclasses.replace(cfg, batch_size=batch_size, accum_steps=accum_steps, amp=amp_dtype is not None,
+                                   amp_dtype=amp_dtype, min_size=size, max_size=size, pin_memory=False)
+    rig = build_rig(settings, device="cpu", batches=synthetic_batches(settings))
+    cfg, model, optimizer = rig.cfg, rig.module, rig.optimizer
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:  # one step on zero gradients creates the optimizer state (AdamW: two moments)
         p.grad = torch.zeros_like(p)
@@ -140,7 +136,7 @@ def memory_timeline(cfg: Config, batch_size: int, accum_steps: int = 1, amp_dtyp
     modules = dict(model.named_modules())
     handles = [modules[path].register_forward_pre_hook(entering(name)) for path, name in PARTS if path in modules]
     handles += [p.register_post_accumulate_grad_hook(gradient_made) for p in trainable]
-    batches = itertools.repeat(synthetic_batch(size, batch_size))
+    batches = rig.batches
 
     def micro_batches():
         for micro in itertools.count():
@@ -150,10 +146,11 @@ def memory_timeline(cfg: Config, batch_size: int, accum_steps: int = 1, amp_dtyp
             record()
             yield next(batches)
 
+    rig.batches = micro_batches()
     optimizer.zero_grad(set_to_none=True)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            train_step(model, optimizer, make_scaler(cfg, device), micro_batches(), cfg, device, TrainState(), [])
+            rig.step()
     finally:
         for handle in handles:
             handle.remove()
@@ -193,25 +190,22 @@ def cuda_memory_timeline(cfg: Config, batch_size: int, path: Path | str,
     history on, saved as a snapshot to `path` (drag it into pytorch.org/memory_viz). Returns the
     allocated MiB after each allocator event as (x, MiB), and what x is ("ms" where the snapshot
     times its events, else "allocator event")."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    cfg = derive(dataclasses.replace(cfg, batch_size=batch_size), 1, device)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, num_classes=4).to(device).train()
-    optimizer, scaler = build_optimizer(model, cfg), make_scaler(cfg, device)
-    batches, state, names = itertools.repeat(synthetic_batch(cfg.min_size, batch_size)), TrainState(), []
-    train_step(model, optimizer, scaler, batches, cfg, device, state, names)  # optimizer state, cuDNN plans
+    settings = dataclasses.replace(cfg, batch_size=batch_size)
+    rig = build_rig(settings, device=torch.device("cuda", torch.cuda.current_device()),
+                    batches=synthetic_batches(settings))
+    device = rig.device
+    rig.step()  # optimizer state, cuDNN plans
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     try:
         for _ in range(steps - 1):
-            train_step(model, optimizer, scaler, batches, cfg, device, state, names)
+            rig.step()
         torch.cuda.synchronize(device)
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    import pickle
     Path(path).write_bytes(pickle.dumps(snapshot))
     events = [e for e in snapshot["device_traces"][device.index] if e["action"] in ("alloc", "free_completed")]
     timed = bool(events) and all("time_us" in e for e in events)
@@ -223,40 +217,36 @@ def cuda_memory_timeline(cfg: Config, batch_size: int, path: Path | str,
     return [(x - origin, mb) for x, mb in points], "ms" if timed else "allocator event"
 
 
-def batch_shapes(cfg: Config, multiscale: bool = False) -> dict:
-    """One epoch of the config's loader through the model's own transform (resize, then pad the batch
-    to its largest image, rounded up to 32; no training): the input shapes the backbone would meet."""
-    cfg = derive(dataclasses.replace(cfg, workers=0), 1, "cpu")
-    train_set, _ = build_datasets(cfg)
-    loader = build_train_loader(train_set, cfg, 0, 1)
-    model = build_model(cfg, train_set.num_classes).train()
+def batch_shapes(cfg: Config, multiscale: bool = False, batches: int | None = None) -> dict:
+    """The config's loader (one epoch, or `batches` batches epoch after epoch) through the model's
+    own transform: resize, then pad the batch to its largest image rounded up to 32 (or, with
+    --fixed-shapes, to the fixed shape of its orientation); no training. Returns how many batches,
+    how many distinct (height, width) the backbone would meet, and those shapes, sorted."""
+    rig = build_rig(dataclasses.replace(cfg, workers=0), device="cpu")
+    transform = rig.module.transform
     if multiscale:
-        model.transform.min_size = multiscale_sizes(cfg.min_size)
+        transform.min_size = multiscale_sizes(rig.cfg.min_size)
     shapes = []
     with torch.no_grad():
-        for images, targets in loader:
-            batch, _ = model.transform([image.float() / 255 for image in images], [dict(t) for t in targets])
+        for _ in range(batches or len(rig.loader)):
+            images, targets = next(rig.batches)
+            batch, _ = transform([image.float() / 255 for image in images], [dict(t) for t in targets])
             shapes.append(tuple(batch.tensors.shape[-2:]))
     return {"batches": len(shapes), "distinct": len(set(shapes)), "shapes": sorted(set(shapes))}
 
 
 def shape_census(cfg: Config, steps: int = 12, **overrides) -> dict:
-    """Real training steps (one process, this device) of the config's model on the book's data, with
+    """Real training steps (one process, on the CPU) of the config's model on its data, with
     forward pre-hooks on the backbone and the mask head: their input shapes, step by step."""
-    cfg = derive(dataclasses.replace(cfg, workers=0, **overrides), 1, "cpu")
-    train_set, _ = build_datasets(cfg)
-    loader = build_train_loader(train_set, cfg, 0, 1)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, train_set.num_classes).train()
+    rig = build_rig(dataclasses.replace(cfg, workers=0, **overrides), device="cpu")
+    model = rig.module
     seen: dict[str, list[tuple]] = {"backbone": [], "mask head": []}
     hooks = [model.backbone.register_forward_pre_hook(lambda _, args: seen["backbone"].append(tuple(args[0].shape))),
              model.roi_heads.mask_head.register_forward_pre_hook(
                  lambda _, args: seen["mask head"].append(tuple(args[0].shape)))]
-    optimizer, scaler, state, names = build_optimizer(model, cfg), make_scaler(cfg, torch.device("cpu")), TrainState(), []
-    batches = batch_stream(loader, state)
     try:
         for _ in range(steps):
-            train_step(model, optimizer, scaler, batches, cfg, torch.device("cpu"), state, names)
+            rig.step()
     finally:
         for hook in hooks:
             hook.remove()
@@ -268,7 +258,6 @@ def accumulation_plan(cfg: Config, gpu_memory_gb: float, accum_steps: tuple[int,
     """The accumulation factors whose large-batch twin (K x batch_size images in one batch) should fit
     in `headroom` of a `gpu_memory_gb` card: `memory.breakdown` counts one image's activations on this
     GPU, the batch scales them. Returns the factors kept and a sentence on any dropped."""
-    from .memory import breakdown
     one = breakdown(cfg, cfg.min_size, 1, torch.device("cuda", torch.cuda.current_device()))
     card = headroom * gpu_memory_gb * 1024
 

@@ -32,19 +32,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from maskrcnn_tut.lab import processes
 
 from .. import distributed as du
-from ..config import Config, derive
-from ..data.loader import batch_stream, build_datasets, build_train_loader
-from ..engine import (
-    TrainState,
-    build_optimizer,
-    configure_runtime,
-    make_scaler,
-    train_step,
-)
+from ..config import Config
 from ..model import build_model
 from . import bench
 from .bench import projection as predict
 from .machine import hardware_label
+from .rig import Rig, build_rig
 
 #: Bucket cap of the last phase: DDP's default, several buckets for this model, so overlap can show.
 SMALL_BUCKET_MB = 25.0
@@ -87,24 +80,25 @@ def _labelled_batches(stream):
         yield batch
 
 
-def _profiled_steps(model, cfg: Config, loader, steps: int, warmup: int, path: Path) -> None:
+def _profiled_steps(rig: Rig, steps: int, warmup: int, path: Path) -> None:
     """`warmup` steps, then `steps` profiled `train_step`s, exported as a Chrome trace to `path`."""
-    device = du.info().device
-    optimizer = build_optimizer(model, cfg)
-    scaler, state, names = make_scaler(cfg, device), TrainState(), []
-    batches = _labelled_batches(batch_stream(loader, state))
-    model.train()
+    rig.batches = _labelled_batches(rig.batches)
     for _ in range(warmup):
-        train_step(model, optimizer, scaler, batches, cfg, device, state, names)
+        rig.step()
     with _quiet_stderr():
         prof = profile(activities=[ProfilerActivity.CPU])
         prof.start()
     for _ in range(steps):
         with record_function(STEP):
-            train_step(model, optimizer, scaler, batches, cfg, device, state, names)
+            rig.step()
     with _quiet_stderr():
         prof.stop()
         prof.export_chrome_trace(str(path))
+
+
+def _labelled_ddp(model: nn.Module, cfg, info: du.DistInfo) -> nn.Module:
+    """`du.wrap_ddp` of the model with its forward under the profiler's label."""
+    return du.wrap_ddp(Labelled(model), cfg, info)
 
 
 def trace_worker(cfg: Config, steps: int, warmup: int, folder: str) -> None:
@@ -113,17 +107,11 @@ def trace_worker(cfg: Config, steps: int, warmup: int, folder: str) -> None:
     info = du.info()
     bench.pin_cores(1)
     torch.set_num_threads(1)
-    device = info.device
-    train_set, _ = build_datasets(cfg)
     for phase in PHASES[:1] if info.world_size == 1 else PHASES[1:]:
-        run_cfg = derive(dataclasses.replace(cfg, bucket_cap_mb=SMALL_BUCKET_MB) if phase == "ddp_small_buckets"
-                         else cfg, info.world_size, device)
-        configure_runtime(run_cfg, device)
+        settings = dataclasses.replace(cfg, bucket_cap_mb=SMALL_BUCKET_MB) if phase == "ddp_small_buckets" else cfg
         # the single process reads what rank 0 of the pair reads: the same images per step
-        loader = build_train_loader(train_set, run_cfg, info.rank, 2)
-        du.seed_everything(cfg.seed)
-        model = du.wrap_ddp(Labelled(build_model(run_cfg, train_set.num_classes).to(device)), run_cfg, info)
-        _profiled_steps(model, run_cfg, loader, steps, warmup, Path(folder) / f"{phase}.{info.rank}.json")
+        rig = build_rig(settings, wrap=_labelled_ddp, reads_as=(info.rank, 2))
+        _profiled_steps(rig, steps, warmup, Path(folder) / f"{phase}.{info.rank}.json")
         du.barrier()
 
 

@@ -66,7 +66,6 @@ from .harness import (
     pin_cores,
 )
 from .overhead import overhead
-from .profile import backbone_shapes
 from .projection import scaling_curve
 from .results import BenchResult, load_suite, markdown_table, python_call, results_path
 from .scaling import CPU_TABLE_BATCH, TABLE_COLUMNS, single_device_speed, table
@@ -86,7 +85,7 @@ from .sweeps import (
 )
 
 __all__ = [
-    "BENCH_SHAPES", "backbone_shapes", "CPU_TABLE_BATCH", "NO_DIFFERENCE", "SWEEPS", "SWEEP_COLUMNS", "TABLE_COLUMNS", "BenchResult",
+    "BENCH_SHAPES", "CPU_TABLE_BATCH", "NO_DIFFERENCE", "SWEEPS", "SWEEP_COLUMNS", "TABLE_COLUMNS", "BenchResult",
     "Measurement", "bench_config", "bench_dataset", "build_parser", "environment", "gpu_suite", "knob_note",
     "launch_measure", "load_suite", "main", "markdown_table", "measure", "measure_worker", "multiscale_sizes",
     "overhead", "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",

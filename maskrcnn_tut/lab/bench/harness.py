@@ -3,14 +3,14 @@
 `measure` runs in this process (or the group it joined); `launch_measure` runs it in fresh worker
 processes started by `processes.launch`, each with its thread count set and, on CPUs, bound to
 cores of its own (`pin_cores`), so results do not depend on what the calling notebook did before.
-The config goes through `config.derive` exactly as in `train.py`: global batch, lr scaled to it,
-pin_memory and precision.
+The model, optimizer, schedule, scaler and batches come from `rig.build_rig`, assembled as
+`train.py` assembles them (the config derived as train.py derives it: global batch, lr scaled to
+it, pin_memory and precision; the loader given the device, so `--decode-on-device` is timed too).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -23,56 +23,31 @@ from torchvision.transforms import v2
 from maskrcnn_tut.lab import processes
 
 from ... import distributed as du
-from ...config import Config, derive, make_config, validate
-from ...data.loader import batch_stream, build_datasets, build_train_loader
-from ...data.shapes import ensure_shapes_dataset
-from ...engine import (
-    TrainState,
-    build_optimizer,
-    build_scheduler,
-    configure_runtime,
-    make_scaler,
-    train_step,
-)
+from ...config import Config
 from ...errors import BenchError
 from ...hardware import peak_memory_mb, reset_peak_memory, usable_cores
-from ...model import build_model
+from ...monitor import img_per_s_mean, img_per_s_median
 from ..dataparallel import DetectionDataParallel, explain_unavailable
+from ..rig import LONG_SCHEDULE, SHAPES_SIZES, build_rig, shapes_config, shapes_dataset
 
-#: The benchmark's dataset: small so an epoch is a few steps (the loader sweep crosses epochs).
-BENCH_SHAPES = {"n_train": 32, "n_val": 8, "seed": 0}
-#: The benchmark data holds at least this many optimizer steps of images per process and epoch.
-MIN_EPOCH_STEPS = 2
-#: The lr schedule's length in the benchmark: a long run's, so the lr stays at its peak after warm-up.
-SCHEDULE_STEPS = 10**6
 SHAPES = ("natural", "fixed", "varying")
 MEASURE_OPTIONS = ("steps", "warmup", "threads", "shape", "dataparallel", "sync_gradients", "max_seconds")
+#: The benchmark's shapes dataset (`rig.SHAPES_SIZES`).
+BENCH_SHAPES = SHAPES_SIZES["bench"]
 
 
 def bench_dataset(images_per_step: int = 1) -> Path:
-    """The benchmark's shapes data, with at least `MIN_EPOCH_STEPS` steps of `images_per_step`
-    images (all processes together) per epoch: 32 images, more for many processes or big batches."""
-    n_train = max(BENCH_SHAPES["n_train"], 32 * math.ceil(MIN_EPOCH_STEPS * images_per_step / 32))
-    return ensure_shapes_dataset(**{**BENCH_SHAPES, "n_train": n_train}, progress=False)
+    """The benchmark's shapes data (`rig.shapes_dataset`) for steps of `images_per_step` images."""
+    return shapes_dataset("bench", images_per_step)
 
 
 def bench_config(preset: str | None = None, data_path: str | None = None, *, batches_per_step: int = 1,
                  **overrides) -> Config:
-    """The preset (by hardware when None) on the benchmark's shapes data, without progress bars; on
-    CPUs with workers=0, so a process x thread setup uses exactly its cores.
-
-    batches_per_step: how many `batch_size x accum_steps` batches one step of the benchmark draws in
-    all (its process count, or the accumulation sweep's largest K), so the shapes data is big enough
-    for every process to get whole batches. A `data_path` of your own is used as it is.
-    """
-    settings = {"progress": False, **({} if torch.cuda.is_available() else {"workers": 0}),
-                **{k: v for k, v in overrides.items() if v is not None}}
-    cfg = make_config(preset, data_path=str(data_path or "."), **settings)
-    if data_path is None:
-        images = cfg.batch_size * cfg.accum_steps * batches_per_step
-        cfg = dataclasses.replace(cfg, data_path=str(bench_dataset(images)))
-    validate(cfg)
-    return cfg
+    """`rig.shapes_config` on the benchmark's shapes data; on CPUs with workers=0 (unless given),
+    so that a process x thread setup uses exactly its cores."""
+    cpu_workers = {} if torch.cuda.is_available() else {"workers": 0}
+    return shapes_config(preset, data_path, sizes="bench", batches_per_step=batches_per_step,
+                         **{**cpu_workers, **{k: v for k, v in overrides.items() if v is not None}})
 
 
 def multiscale_sizes(size: int) -> tuple[int, ...]:
@@ -105,13 +80,13 @@ class Measurement:
 
     @property
     def img_per_s(self) -> float:
-        """Images per second at the median step time (robust to the odd slow step)."""
-        return self.images_per_step / statistics.median(self.iter_times)
+        """`monitor.img_per_s_median` of the measured steps (robust to the odd slow step)."""
+        return img_per_s_median(self.images_per_step, self.iter_times)
 
     @property
     def img_per_s_all_steps(self) -> float:
-        """Images per second over all measured steps, slow ones included (epoch starts, new shapes)."""
-        return self.images_per_step * len(self.iter_times) / sum(self.iter_times)
+        """`monitor.img_per_s_mean` of the measured steps (epoch starts and new shapes included)."""
+        return img_per_s_mean(self.images_per_step, self.iter_times)
 
     def row(self) -> dict:
         compute = [t - d for t, d in zip(self.iter_times, self.data_times)]
@@ -152,62 +127,49 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
     """
     if shape not in SHAPES:
         raise ValueError(f"shape must be natural, fixed or varying, got {shape!r}")
-    info = du.info()
-    device = info.device
     n_dp = _dataparallel_gpus(dataparallel)
     if threads:
         torch.set_num_threads(threads)
-    # DataParallel: this one process draws the images of every GPU it drives
-    cfg = derive(dataclasses.replace(cfg, batch_size=cfg.batch_size * n_dp, skip_nonfinite=warmup + steps),
-                 info.world_size, device)
-    configure_runtime(cfg, device)
-    train_set, _ = build_datasets(cfg)
-    loader = build_train_loader(train_set, cfg, info.rank, info.world_size)
-    du.seed_everything(cfg.seed)
-    model = build_model(cfg, train_set.num_classes)
+    # DataParallel: this one process draws the images of every GPU it drives. A measurement never
+    # stops on a non-finite loss (skip_nonfinite covers every step): it times steps, not training
+    settings = dataclasses.replace(cfg, batch_size=cfg.batch_size * n_dp, skip_nonfinite=warmup + steps)
+
+    def dataparallel_wrap(model, _cfg, _info):
+        return DetectionDataParallel(model, device_ids=list(range(n_dp)))
+
+    wrap = dataparallel_wrap if n_dp > 1 else du.wrap_ddp if sync_gradients else None
+    rig = build_rig(settings, wrap=wrap, total_steps=LONG_SCHEDULE)
+    cfg, device, info = rig.cfg, rig.device, du.info()
     if shape == "varying":
-        model.transform.min_size = multiscale_sizes(cfg.min_size)
-        model.transform.max_size = round(cfg.max_size * 1.25)
-    model = model.to(device)
-    du.seed_everything(cfg.seed + info.rank)
-    if n_dp > 1:
-        model = DetectionDataParallel(model, device_ids=list(range(n_dp)))
-    elif sync_gradients:
-        model = du.wrap_ddp(model, cfg, info)
-    optimizer = build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, cfg, SCHEDULE_STEPS)
-    scaler = make_scaler(cfg, device)
-    state = TrainState()
-    batches = batch_stream(loader, state)
+        rig.module.transform.min_size = multiscale_sizes(cfg.min_size)
+        rig.module.transform.max_size = round(cfg.max_size * 1.25)
     if shape == "fixed":
-        batches = _square_batches(batches, cfg.min_size)
+        rig.batches = _square_batches(rig.batches, cfg.min_size)
     devices = [torch.device("cuda", i) for i in range(n_dp)] if n_dp > 1 else [device]
-    model.train()
-    term_names: list[str] = []
     warm_times = []
     for _ in range(warmup):
-        warm_times.append(train_step(model, optimizer, scaler, batches, cfg, device, state, term_names).iter_time)
-        scheduler.step()
+        warm_times.append(rig.step().iter_time)
+        rig.scheduler.step()
     if max_seconds and warm_times:  # rank 0 plans the step count, so every rank stops at the same step
         steps = du.broadcast_object(min(steps, max(3, int(max_seconds / statistics.median(warm_times)))))
     for dev in devices:
         reset_peak_memory(dev)
     records = []
     for _ in range(steps):
-        records.append(train_step(model, optimizer, scaler, batches, cfg, device, state, term_names))
-        scheduler.step()
+        records.append(rig.step())
+        rig.scheduler.step()
         for callback in callbacks:
             callback(records[-1])
     mine = {"iter": [r.iter_time for r in records], "peak": [peak_memory_mb(d) for d in devices]}
     ranks = du.all_gather_objects(mine)
     epochs = [r.epoch for r in records]
     return Measurement(
-        processes=info.world_size, threads=torch.get_num_threads(), images_per_step=cfg.global_batch_size,
+        processes=info.world_size, threads=torch.get_num_threads(), images_per_step=cfg.global_batch,
         iter_times=[max(times) for times in zip(*(r["iter"] for r in ranks))],
         data_times=[r.data_time for r in records],
         epoch_starts=[i for i in range(1, len(epochs)) if epochs[i] != epochs[i - 1]],
         peak_memory_mb=[peak for r in ranks for peak in r["peak"]],
-        steps_per_epoch=len(loader.batch_sampler) // cfg.accum_steps, lr=cfg.lr, warmup_times=warm_times)
+        steps_per_epoch=len(rig.loader.batch_sampler) // cfg.accum_steps, lr=cfg.scaled_lr, warmup_times=warm_times)
 
 
 def pin_cores(threads: int) -> list[int] | None:

@@ -7,8 +7,9 @@ three loops take turns, round after round, so drift of the machine hits them ali
   the least any training loop must do;
 - `engine.train_step`: the package's step (autocast, accumulation, the shared all-reduce of loss
   terms and flags, the non-finite guard, the forward timing);
-- `train.py's loop`: the step plus the schedule, the metrics logger, the straggler check and the
-  SIGTERM check, as train.py runs them.
+- `train.py's loop (copied)`: the step plus the schedule, the metrics logger, the straggler check
+  and the SIGTERM check, as train.py calls them after each step; a copy of those calls, so a call
+  that train.py's loop gains must be added here too.
 
 Overhead is each loop's median step time minus the bare one's, with the rounds' spread. A loop
 that slows down from round to round shows as a rising per-round median. All three loops train the same
@@ -19,104 +20,81 @@ show it.
 """
 from __future__ import annotations
 
-import itertools
 import statistics
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ... import distributed as du
-from ...config import Config, derive, make_config
+from ...config import make_config
 from ...data.loader import to_device
-from ...engine import (
-    TrainState,
-    build_optimizer,
-    build_scheduler,
-    configure_runtime,
-    make_scaler,
-    train_step,
-)
-from ...model import build_model
+from ...engine import StepRecord
 from ...monitor import MetricsLogger, StragglerCheck
 from ..machine import provenance
-from ..synthetic import synthetic_batch
+from ..rig import Rig, build_rig, synthetic_batches
 from .results import BenchResult, python_call
 
-LOOPS = ("bare", "engine.train_step", "train.py's loop")
+LOOPS = ("bare", "engine.train_step", "train.py's loop (copied)")
 
 
 @dataclass
 class FixedBatchRig:
-    """One model and optimizer stepping on one synthetic batch already in memory, either bare or
-    through `engine.train_step` (timed against each other here and by `tools/overhead_ops.py`)."""
+    """A `rig.Rig` stepping on one synthetic batch already in memory, either bare or through
+    `engine.train_step` (timed against each other here and by `tools/overhead_ops.py`)."""
 
-    cfg: Config
-    device: torch.device
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    batch: tuple[list, list]  # as the DataLoader gives it: uint8 images on the CPU
-    images: list  # the same batch on the device, as floats: what the bare step feeds the model
+    rig: Rig
+    images: list  # the batch on the device, as floats: what the bare step feeds the model
     targets: list
-    state: TrainState = field(default_factory=TrainState)
-    term_names: list[str] = field(default_factory=list)
 
     def bare_step(self) -> None:
         """The least any training loop must do: forward, summed losses, backward, optimizer step."""
-        losses = self.model(self.images, self.targets)
+        losses = self.rig.model(self.images, self.targets)
         sum(losses.values()).backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.rig.optimizer.step()
+        self.rig.optimizer.zero_grad(set_to_none=True)
 
-    def train_step(self, stop_requested: bool = False):
+    def train_step(self, stop_requested: bool = False) -> StepRecord:
         """The package's step on the same batch (moved and converted each step, as in training)."""
-        micro_batches = itertools.repeat(self.batch, self.cfg.accum_steps)
-        return train_step(self.model, self.optimizer, self.scaler, micro_batches, self.cfg, self.device,
-                          self.state, self.term_names, stop_requested=stop_requested)
+        return self.rig.step(stop_requested)
 
 
 def fixed_batch_rig(preset: str | None = None, image_size: int | None = None, batch_size: int | None = None,
                     **overrides) -> FixedBatchRig:
-    """The preset's model (4 classes) and optimizer, and `batch_size` synthetic square images of
-    `image_size` px (default: the preset's min size), in one process."""
-    cfg = make_config(preset, **{k: v for k, v in overrides.items() if v is not None},
-                      **({"batch_size": batch_size} if batch_size else {}))
-    device = du.init_distributed().device
-    cfg = derive(cfg, 1, device)
-    configure_runtime(cfg, device)
-    batch = synthetic_batch(image_size or cfg.min_size, cfg.batch_size)
-    images, targets = to_device(*batch, device)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, num_classes=4).to(device).train()
-    optimizer = build_optimizer(model, cfg)
-    return FixedBatchRig(cfg, device, model, optimizer, make_scaler(cfg, device), batch, images, targets)
+    """The preset's rig (`rig.build_rig`, in one process) on `batch_size` synthetic square images
+    of `image_size` px (default: the preset's min size)."""
+    settings = make_config(preset, **{k: v for k, v in overrides.items() if v is not None},
+                           **({"batch_size": batch_size} if batch_size else {}))
+    du.init_distributed()  # this process's device: its GPU where there is one
+    rig = build_rig(settings, batches=synthetic_batches(settings, image_size))
+    images, targets = to_device(*next(rig.batches), rig.device)
+    return FixedBatchRig(rig, images, targets)
 
 
 def overhead(preset: str | None = None, image_size: int | None = None, batch_size: int | None = None,
              rounds: int = 4, steps: int = 4, warmup: int = 2, **overrides) -> BenchResult:
     """Median step time of each loop in `LOOPS` over `rounds` alternating rounds of `steps` steps."""
-    rig = fixed_batch_rig(preset, image_size, batch_size, **overrides)
-    cfg, device, model = rig.cfg, rig.device, rig.model
+    fixed = fixed_batch_rig(preset, image_size, batch_size, **overrides)
+    rig = fixed.rig
+    cfg, device, model = rig.cfg, rig.device, rig.module
     size = image_size or cfg.min_size
-    scheduler = build_scheduler(rig.optimizer, cfg, 10**6)
     mask_rois: list[int] = []  # positives the mask head pooled, one entry per forward
     model.roi_heads.mask_roi_pool.register_forward_pre_hook(
         lambda _, args: mask_rois.append(sum(len(boxes) for boxes in args[1])))
     with tempfile.TemporaryDirectory() as out:
-        logger = MetricsLogger(Path(out), 10**6, 0, cfg.global_batch_size, device, cfg.print_freq, progress=False)
+        logger = MetricsLogger(Path(out), 10**6, 0, cfg.global_batch, device, cfg.print_freq, progress=False)
         stragglers, stop = StragglerCheck(every=cfg.print_freq), threading.Event()
 
         def loop_step(name: str) -> None:
             if name == "bare":
-                rig.bare_step()
+                fixed.bare_step()
                 return
-            record = rig.train_step(stop_requested=stop.is_set())
-            if name == "train.py's loop":
-                scheduler.step()
+            record = fixed.train_step(stop_requested=stop.is_set())
+            if name == LOOPS[2]:
+                rig.scheduler.step()
                 logger(record)
                 stragglers(record)
 

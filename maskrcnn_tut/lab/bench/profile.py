@@ -12,20 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ... import distributed as du
-from ...config import derive
-from ...data.loader import batch_stream, build_datasets, build_train_loader
-from ...engine import (
-    TrainState,
-    build_optimizer,
-    configure_runtime,
-    make_scaler,
-    train_step,
-)
-from ...model import build_model
+from ..rig import build_rig
 from .harness import bench_config
 
 #: Operators that make the host wait for the device (a sync point inside a step).
@@ -53,24 +43,16 @@ def _mark_parts(model) -> list:
 
 def what_remains(preset: str | None = None, warmup: int = 2, **overrides) -> dict:
     """Profile one eager training step: host time per model part, the top operators, sync points."""
-    cfg = bench_config(preset, **overrides)
-    info = du.init_distributed()
-    device = info.device
-    cfg = derive(dataclasses.replace(cfg, skip_nonfinite=warmup + 1), 1, device)
-    configure_runtime(cfg, device)
-    train_set, _ = build_datasets(cfg)
-    state = TrainState()
-    batches = batch_stream(build_train_loader(train_set, cfg, 0, 1), state)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, train_set.num_classes).to(device).train()
-    optimizer, scaler, names = build_optimizer(model, cfg), make_scaler(cfg, device), []
+    du.init_distributed()  # this process's device: its GPU where there is one
+    rig = build_rig(dataclasses.replace(bench_config(preset, **overrides), skip_nonfinite=warmup + 1))
+    cfg, device, model = rig.cfg, rig.device, rig.module
     for _ in range(warmup):
-        train_step(model, optimizer, scaler, batches, cfg, device, state, names)
+        rig.step()
     handles = _mark_parts(model)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     try:
         with profile(activities=activities) as prof:
-            train_step(model, optimizer, scaler, batches, cfg, device, state, names)
+            rig.step()
     finally:
         for handle in handles:
             handle.remove()
@@ -84,23 +66,3 @@ def what_remains(preset: str | None = None, warmup: int = 2, **overrides) -> dic
     syncs = {e.key: e.count for e in events if e.key in SYNC_OPS}
     return {"step host ms": step_ms, "parts": parts, "top operators": top, "sync points": syncs,
             "operator calls": sum(e.count for e in operators), "preset": cfg.preset, "device": str(device)}
-
-
-def backbone_shapes(fixed_shapes: bool, batches: int = 24, preset: str | None = None, **overrides) -> set:
-    """The distinct (height, width) batches the backbone meets over `batches` training batches,
-    padded as torchvision does or to fixed shapes (with orientation grouping, as `--fixed-shapes`
-    is meant to run)."""
-    grouping = {"aspect_ratio_group_factor": 0} if fixed_shapes else {}
-    cfg = bench_config(preset, fixed_shapes=fixed_shapes, **grouping, **overrides)
-    cfg = derive(cfg, 1, "cpu")
-    train_set, _ = build_datasets(cfg)
-    state = TrainState()
-    stream = batch_stream(build_train_loader(train_set, cfg, 0, 1), state)
-    transform = build_model(cfg, train_set.num_classes).transform.train()
-    seen = set()
-    with torch.inference_mode():
-        for _ in range(batches):
-            images, targets = next(stream)
-            image_list, _ = transform([image.float() / 255 for image in images], list(targets))
-            seen.add(tuple(image_list.tensors.shape[-2:]))
-    return seen

@@ -141,10 +141,10 @@ def model_gradient_bytes(preset: str | None = None, num_classes: int | None = No
     return gradient_bytes(build_model(cfg, num_classes))
 
 
-def bus_bandwidth_gbps(gradient_bytes_: float, n: int, seconds: float) -> float:
-    """The link bandwidth a measured all-reduce achieved (nccl-tests' "bus bandwidth"):
-    ring bytes per process over the time."""
-    return ring_allreduce_bytes(gradient_bytes_, n) / seconds / 1e9
+def bus_bandwidth_gbps(message_bytes: float, n: int, seconds: float) -> float:
+    """The link bandwidth an all-reduce of `message_bytes` over `n` processes achieved in `seconds`
+    (nccl-tests' "bus bandwidth"): the ring's bytes per process over the time."""
+    return ring_allreduce_bytes(message_bytes, n) / seconds / 1e9
 
 
 # --------------------------------------------------------------------------- measured
