@@ -95,3 +95,22 @@ def test_train_py_runs_with_decode_on_device(jpeg_root, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["load_failed"] == 0
+
+
+def test_benchmarks_time_the_decode_on_device_path(jpeg_root, monkeypatch):
+    """The benchmark harness once built its loader without the device, so `--decode-on-device` left
+    the dataset decoding in the workers and every benchmark timed the other path."""
+    from maskrcnn_tut.data import loader
+    from maskrcnn_tut.lab import bench
+
+    decoded = []
+    decode = loader.decode_batch
+
+    def counting(images, *args):
+        decoded.append(len(images))
+        return decode(images, *args)
+
+    monkeypatch.setattr(loader, "decode_batch", counting)
+    cfg = bench.bench_config("cpu-tiny", str(jpeg_root), decode_on_device=True, batch_size=2, min_size=64, max_size=96)
+    bench.measure(cfg, steps=1, warmup=0)
+    assert decoded == [2]  # the one measured step's batch, decoded on the device

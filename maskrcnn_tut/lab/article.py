@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import derive, make_config
-from ..engine import TrainState, make_scaler, train_step
+from ..config import make_config
 from .machine import environment_report
 from .proofs import TinyDetector, toy_batches
+from .rig import build_rig, synthetic_batches
 
 _PROBE = """import json, os, sys
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -87,12 +87,10 @@ def _toy(seed: int = 0):
 def article_errors() -> dict[str, str]:
     """The article's AMP branch on Mask R-CNN (cpu-tiny, 2 images) and on the toy detector: the error
     each raises; then the toy with the tuple unpacking dropped (`losses = model(...)`, the loss dict)."""
-    from ..model import build_model
-    from .synthetic import synthetic_batch
-    cfg = make_config("cpu-tiny", data_path=None)
-    torch.manual_seed(0)
-    maskrcnn = build_model(cfg, 4).train()
-    images, targets = synthetic_batch(cfg.min_size, 2)
+    settings = make_config("cpu-tiny", batch_size=2)
+    rig = build_rig(settings, device="cpu", batches=synthetic_batches(settings))
+    maskrcnn = rig.module
+    images, targets = next(rig.batches)
     images = [image.float() / 255 for image in images]
     rows = {}
     scaler = torch.amp.GradScaler("cpu")
@@ -155,12 +153,12 @@ def missing_zero_grad(steps: int = 4) -> dict:
     # the package's step on the same batches: it zeroes the gradients itself
     model.zero_grad(set_to_none=True)
     model.load_state_dict(start)
-    cfg = derive(make_config("cpu-tiny", optimizer="sgd", lr=1e-12, weight_decay=0.0), 1, "cpu")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler, state, names, grads = make_scaler(cfg, torch.device("cpu")), TrainState(), [], []
+    settings = make_config("cpu-tiny", optimizer="sgd", lr=1e-12, weight_decay=0.0)
     batches = iter([(raw, targets)] * steps)  # uint8, as a loader gives them: to_device scales them
+    rig = build_rig(settings, device="cpu", batches=batches, model=model, wrap=None)
+    grads = []
     for _ in range(steps):
-        train_step(model, optimizer, scaler, batches, cfg, torch.device("cpu"), state, names)
+        rig.step()
         grads.append(model.conv.weight.grad.detach().clone())
     out["engine.train_step"] = ratio(grads)
     return out
