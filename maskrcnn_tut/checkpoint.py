@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import Config
+from .config import Config, Run
 from .engine import TrainState
 from .errors import CheckpointError
 from .model import build_model
@@ -189,33 +189,39 @@ def check_compatible(payload: dict, cfg: dict, path: Path) -> None:
         raise CheckpointError(f"--resume: {path} does not match this run's model ({'; '.join(diffs)}); "
                               "resume with the settings and data it was trained with, or start fresh "
                               "in another --output-dir")
-    if not cfg.get("test_only") and saved.get("optimizer") != cfg.get("optimizer"):
+    if cfg.get("test_only"):
+        return
+    if not isinstance(saved.get("derived"), dict):
+        raise CheckpointError(f"--resume: {path} was saved by an earlier version of maskrcnn_tut (its config has no "
+                              "derived run facts), so its place and lr cannot carry over; start fresh in another "
+                              "--output-dir")
+    if saved.get("optimizer") != cfg.get("optimizer"):
         raise CheckpointError(f"--resume: {path} was trained with --optimizer {saved.get('optimizer')}, this run "
                               f"asks for {cfg.get('optimizer')}; its optimizer state cannot carry over (resume "
                               f"with --optimizer {saved.get('optimizer')}, or start from it with --weights)")
 
 
-def _resumed_position(state: TrainState, saved: dict, cfg: Config) -> TrainState:
+def _resumed_position(state: TrainState, saved: dict, run: Run) -> TrainState:
     """The checkpoint's place in its epoch, in this run's batch units (images per micro-step over
     all ranks); refuses when no whole number of this run's batches lands on that place."""
-    before = saved.get("batch_size", cfg.batch_size) * saved.get("world_size", cfg.world_size)
-    now = cfg.batch_size * cfg.world_size
+    before = saved["batch_size"] * saved["derived"]["world_size"]
+    now = run.batch_size * run.world_size
     if before == now or state.batch_in_epoch == 0:
         return state
     consumed = state.batch_in_epoch * before
     if consumed % now:
         raise CheckpointError(f"--resume: the checkpoint stopped {consumed} images into epoch {state.epoch} with "
-                              f"{before} images per micro-step; this run's {now} (--batch-size {cfg.batch_size} x "
-                              f"{cfg.world_size} processes) cannot continue at that place without repeating or "
+                              f"{before} images per micro-step; this run's {now} (--batch-size {run.batch_size} x "
+                              f"{run.world_size} processes) cannot continue at that place without repeating or "
                               "skipping images: resume with a batch that divides it, or after the epoch ends")
     log.warning("--resume: %d images per micro-step instead of %d: continuing %d images into epoch %d",
                 now, before, consumed, state.epoch)
     return dataclasses.replace(state, batch_in_epoch=consumed // now)
 
 
-def _apply_lr(optimizer, scheduler, saved_lr: float | None, lr: float) -> None:
-    """Put this run's lr into a resumed schedule (a checkpoint restores its own base lr)."""
-    if saved_lr is None or abs(saved_lr - lr) <= 1e-12 * max(abs(lr), 1.0):
+def _apply_lr(optimizer, scheduler, saved_lr: float, lr: float) -> None:
+    """Put this run's scaled lr into a resumed schedule (a checkpoint restores its own)."""
+    if abs(saved_lr - lr) <= 1e-12 * max(abs(lr), 1.0):
         return
     scheduler.base_lrs = [lr] * len(optimizer.param_groups)
     factors = [fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
@@ -226,13 +232,13 @@ def _apply_lr(optimizer, scheduler, saved_lr: float | None, lr: float) -> None:
                 lr, saved_lr, scheduler.last_epoch)
 
 
-def restore_training(payload: dict, optimizer, scheduler, scaler, info, cfg: Config) -> TrainState:
-    """Optimizer, schedule (at this run's lr), GradScaler, position (in this run's batch units)
-    and this rank's RNG streams from a checkpoint."""
-    saved = payload.get("config") or {}
+def restore_training(payload: dict, optimizer, scheduler, scaler, info, run: Run) -> TrainState:
+    """Optimizer, schedule (at this run's scaled lr), GradScaler, position (in this run's batch
+    units) and this rank's RNG streams from a checkpoint that `check_compatible` accepted."""
+    saved = payload["config"]
     optimizer.load_state_dict(payload["optimizer"])
     scheduler.load_state_dict(payload["scheduler"])
-    _apply_lr(optimizer, scheduler, saved.get("lr"), cfg.lr)
+    _apply_lr(optimizer, scheduler, saved["derived"]["scaled_lr"], run.scaled_lr)
     if scaler.is_enabled() and not payload["scaler"]:
         log.warning("resuming a run without fp16 GradScaler state with fp16 autocast: the scaler starts afresh")
     else:
@@ -243,7 +249,7 @@ def restore_training(payload: dict, optimizer, scheduler, scaler, info, cfg: Con
     elif info.is_main:
         log.warning("resuming on %d processes from a %d-process checkpoint: RNG streams reseeded",
                     info.world_size, len(rngs))
-    return _resumed_position(TrainState(**payload["state"]), saved, cfg)
+    return _resumed_position(TrainState(**payload["state"]), saved, run)
 
 
 def model_from_run(output_dir: Path | str):

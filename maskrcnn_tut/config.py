@@ -1,15 +1,19 @@
-"""Every knob of a training run in one dataclass, the hardware presets, CLI parsing and validation.
+"""The settings of a training run: one dataclass with each setting's help and rules beside it, the
+hardware presets as differences from its defaults, validation, and the facts a run derives.
 
-A run's settings are resolved in three layers: dataclass defaults, then the preset (picked from the
-hardware when `--preset` is not given), then the flags the user typed. `validate` rejects bad
-settings before any heavy work with a `ConfigError` whose message names the flag.
+Settings resolve in three layers: the dataclass defaults (the `cpu-tiny` preset), then the preset's
+differences (the preset is picked from the hardware when `--preset` is not given), then what the
+user typed (`flags.py` makes one flag per field). `validate` rejects bad settings before any heavy
+work with a `ConfigError` whose message names the flag. `derive` adds what the run's processes
+decide (world size, global batch, scaled lr, precision, pin_memory, device) as a `Run`, apart from
+the settings, so nothing that needs those facts can be handed settings that lack them.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,121 +25,20 @@ from .errors import ConfigError
 #: global_batch / REFERENCE_BATCH (the linear scaling rule of Goyal et al., 2017).
 REFERENCE_BATCH = 8
 
-
-@dataclass
-class Config:
-    # data
-    data_path: str | None = None
-    train_json: str | None = None
-    train_images: str | None = None
-    val_json: str | None = None
-    val_images: str | None = None
-    shapes_train: int = 2000
-    shapes_val: int = 200
-    shapes_seed: int = 0
-    # model
-    preset: str | None = None
-    backbone: str = "resnet18"
-    norm: str = "bn"
-    sync_bn: bool = False
-    min_size: int = 128
-    max_size: int = 192
-    fpn_channels: int = 64
-    mask_head_layers: int = 2
-    mask_head_channels: int = 64
-    box_head_dim: int = 256
-    anchor_sizes: str = "16,32,64,128,256"
-    rpn_pre_nms_top_n: int = 200
-    rpn_post_nms_top_n: int = 100
-    rpn_batch_size_per_image: int = 64
-    box_batch_size_per_image: int = 64
-    weights: str | None = None
-    # optimisation
-    batch_size: int = 4
-    epochs: int = 1
-    max_steps: int | None = 450
-    optimizer: str = "adamw"
-    lr: float = 2e-3
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    warmup_steps: int = 50
-    lr_decay: str = "cosine"
-    accum_steps: int = 1
-    clip_grad_norm: float | None = None
-    amp: bool = False
-    amp_dtype: str | None = None
-    # data loading
-    workers: int = 1
-    persistent_workers: bool = True
-    prefetch_factor: int = 2
-    pin_memory: bool | None = None
-    aspect_ratio_group_factor: int = -1
-    # distributed
-    dist_backend: str | None = None
-    dist_timeout: float = 600.0
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-    broadcast_buffers: bool = True
-    find_unused_parameters: bool = False
-    grad_compression: str = "none"
-    # speed flags and reproducibility
-    cudnn_benchmark: bool = False
-    deterministic: bool = False
-    channels_last: bool = False
-    fixed_shapes: bool = False
-    compile_backbone: bool = False
-    decode_on_device: bool = False
-    seed: int = 0
-    # evaluation, logging, checkpoints
-    eval_every: int | None = None
-    print_freq: int = 10
-    output_dir: str | None = None
-    resume: str | None = None
-    test_only: bool = False
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    skip_nonfinite: int = 0
-    progress: bool = True
-    overfit: int | None = None
-    # resolved by `derive` for the processes of a run (not flags)
-    world_size: int = 1
-    global_batch_size: int = 0
-    base_lr: float = 0.0
-    device: str = "cpu"
-    precision: str = ""
-    given: tuple[str, ...] = ()  # the settings the user typed (they win over a checkpoint's)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-#: Learns from scratch on the shapes dataset on 2 CPU cores in about 12 minutes: ResNet-18 with
-#: trainable BatchNorm, a 64-channel normalized FPN with thin heads and 16-256 px anchors at
-#: 128 px, light RPN/RoI sampling, AdamW 2e-3 for a global batch of 8 (2 processes x 4).
-#: 100 MB buckets (all of cpu-tiny's 47 MiB of gradients in one): with one core per process, gloo's
-#: all-reduce thread competes with backward for that core, so one all-reduce after backward was
-#: faster than several during it (measured 6.0 against 5.6 img/s with 25 MB, 2 processes).
-CPU_TINY = dict(
-    backbone="resnet18", norm="bn", min_size=128, max_size=192,
-    fpn_channels=64, mask_head_layers=2, mask_head_channels=64, box_head_dim=256,
-    anchor_sizes="16,32,64,128,256",
-    rpn_pre_nms_top_n=200, rpn_post_nms_top_n=100,
-    rpn_batch_size_per_image=64, box_batch_size_per_image=64,
-    batch_size=4, max_steps=450, optimizer="adamw", lr=2e-3, weight_decay=1e-4,
-    warmup_steps=50, workers=1, bucket_cap_mb=100.0,
-)
-
+#: Each preset as its differences from the dataclass defaults, which are cpu-tiny's.
 PRESETS: dict[str, dict[str, Any]] = {
-    "cpu-tiny": CPU_TINY,
+    # Learns from scratch on the shapes dataset on 2 CPU cores in minutes: ResNet-18 with trainable
+    # BatchNorm, a 64-channel normalized FPN with thin heads and 16-256 px anchors at 128 px, light
+    # RPN/RoI sampling, AdamW 2e-3 for a global batch of 8 (2 processes x 4).
+    "cpu-tiny": {},
     # Real photos on a CPU: cpu-tiny at 192/288 px instead of 128/192 (at 128 px a 640x480 COCO
     # photo becomes 170x128 and half its instances end under 9 px). Meant first for the overfit
     # check (`--overfit 8 --max-steps 200`), which proves data, labels and pipeline in minutes.
-    "cpu-real": CPU_TINY | dict(min_size=192, max_size=288),
+    "cpu-real": dict(min_size=192, max_size=288),
     # Mask R-CNN R50-FPN as torchvision's detection reference trains it, where it can be:
     # its sizes and sampling, SGD momentum 0.9 with lr 0.02 per 16 images (its "0.02/8*$NGPU" at
     # 2 images per GPU, i.e. 0.01 for REFERENCE_BATCH = 8), weight decay 1e-4, 1000 warm-up steps,
-    # x0.1 at 16/26 and 22/26 of training. Where it differs, and why:
+    # x0.1 at 16/26 and 22/26 of training, DDP's own 25 MB buckets. Where it differs, and why:
     # - no pretrained backbone is downloaded, so it trains from scratch: GroupNorm instead of
     #   BatchNorm (2 images per GPU are too few for batch statistics; He et al., "Rethinking
     #   ImageNet Pre-training", 2019), and 72 epochs (6x torchvision's 26 for an ImageNet backbone,
@@ -150,17 +53,143 @@ PRESETS: dict[str, dict[str, Any]] = {
         anchor_sizes="32,64,128,256,512",
         rpn_pre_nms_top_n=2000, rpn_post_nms_top_n=2000,
         rpn_batch_size_per_image=256, box_batch_size_per_image=512,
-        batch_size=2, max_steps=None, epochs=72, optimizer="sgd", lr=0.01, momentum=0.9, weight_decay=1e-4,
-        warmup_steps=1000, lr_decay="steps", workers=8, amp=True, cudnn_benchmark=False,
+        batch_size=2, max_steps=None, epochs=72, optimizer="sgd", lr=0.01,
+        warmup_steps=1000, lr_decay="steps", workers=8, amp=True, bucket_cap_mb=25.0,
     ),
 }
 
-BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
-NORMS = ("bn", "frozen", "gn")
-OPTIMIZERS = ("adamw", "sgd")
-LR_DECAYS = ("cosine", "steps")
-AMP_DTYPES = ("float16", "bfloat16")
-COMPRESSIONS = ("none", "fp16", "bf16")
+
+def setting(default: Any, help: str, *, choices: tuple | None = None, bound: str | None = None) -> Any:
+    """A `Config` field with its help (for `--help`) and its rules (for `validate`) beside it:
+    `choices`, the values allowed; `bound`, ">0" (positive) or ">=0" (0 or more)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "bound": bound})
+
+
+@dataclass
+class Config:
+    """Every setting a user can give, one flag each (`flags.py`); defaults are the cpu-tiny preset."""
+
+    # data
+    data_path: str | None = setting(
+        None, "COCO root with annotations/instances_{train,val}2017.json and {train,val}2017/; training "
+              "without it (or --train-json) uses the embedded shapes dataset, generated on first use into the cache")
+    train_json: str | None = setting(None, "train annotation json (overrides the --data-path layout)")
+    train_images: str | None = setting(None, "train image folder (with --train-json)")
+    val_json: str | None = setting(None, "validation annotation json")
+    val_images: str | None = setting(None, "validation image folder (with --val-json)")
+    shapes_train: int = setting(2000, "images in the generated shapes train split", bound=">0")
+    shapes_val: int = setting(200, "images in the generated shapes validation split", bound=">0")
+    shapes_seed: int = setting(0, "seed of the generated shapes dataset")
+    # model
+    preset: str | None = setting(
+        None, f"hardware preset ({', '.join(PRESETS)}); default: gpu-r50 with CUDA, else cpu-tiny")
+    backbone: str = setting("resnet18", "ResNet FPN backbone",
+                            choices=("resnet18", "resnet34", "resnet50", "resnet101"))
+    norm: str = setting("bn", "normalization: bn (trainable, from scratch), frozen (only with pretrained "
+                              "--weights), gn", choices=("bn", "frozen", "gn"))
+    sync_bn: bool = setting(False, "convert BatchNorm to SyncBatchNorm across processes")
+    min_size: int = setting(128, "shorter image side after resizing (pixels)", bound=">0")
+    max_size: int = setting(192, "longer image side cap after resizing (pixels)", bound=">0")
+    fpn_channels: int = setting(64, "FPN output channels (torchvision: 256)", bound=">0")
+    mask_head_layers: int = setting(2, "3x3 convs in the mask head (torchvision: 4)", bound=">0")
+    mask_head_channels: int = setting(64, "width of the mask head convs (torchvision: 256)", bound=">0")
+    box_head_dim: int = setting(256, "width of the box head's two FC layers (torchvision: 1024)", bound=">0")
+    anchor_sizes: str = setting("16,32,64,128,256", "anchor size (pixels) per FPN level, comma-separated "
+                                                    "(torchvision: 32,64,128,256,512)")
+    rpn_pre_nms_top_n: int = setting(200, "RPN proposals kept before NMS per image (training)", bound=">0")
+    rpn_post_nms_top_n: int = setting(100, "RPN proposals kept after NMS per image (training)", bound=">0")
+    rpn_batch_size_per_image: int = setting(64, "anchors sampled per image for the RPN loss", bound=">0")
+    box_batch_size_per_image: int = setting(64, "RoIs sampled per image for the box and mask heads", bound=">0")
+    weights: str | None = setting(None, "local state dict (.pt) to start from; nothing is ever downloaded")
+    # optimisation
+    batch_size: int = setting(4, "images per process per micro-step", bound=">0")
+    epochs: int = setting(1, "passes over the training set (ignored when --max-steps is set)", bound=">0")
+    max_steps: int | None = setting(450, "stop after this many optimizer steps (overrides --epochs)", bound=">0")
+    optimizer: str = setting("adamw", "optimizer", choices=("adamw", "sgd"))
+    lr: float = setting(
+        2e-3, f"learning rate for a global batch of {REFERENCE_BATCH} images; scaled linearly to the actual "
+              "global batch (batch-size x accum-steps x processes): Goyal et al.'s rule for SGD; for AdamW only "
+              "a heuristic (square-root scaling is the common alternative), so retune --lr when the global "
+              "batch changes much", bound=">0")
+    momentum: float = setting(0.9, "SGD momentum")
+    weight_decay: float = setting(1e-4, "weight decay", bound=">=0")
+    warmup_steps: int = setting(50, "linear warm-up length in optimizer steps", bound=">=0")
+    lr_decay: str = setting("cosine", "after warm-up: cosine (to 0 at the end) or steps (x0.1 at 16/26 and "
+                                      "22/26 of training, torchvision's 26-epoch schedule)",
+                            choices=("cosine", "steps"))
+    accum_steps: int = setting(1, "micro-steps accumulated per optimizer step (DDP syncs only on the last)",
+                               bound=">0")
+    clip_grad_norm: float | None = setting(None, "clip the global gradient norm to this value", bound=">0")
+    amp: bool = setting(False, "mixed precision: fp16 + GradScaler on CUDA, bf16 on CPU")
+    amp_dtype: str | None = setting(None, "autocast dtype of --amp: float16 (CUDA only) or bfloat16 (default: "
+                                          "float16 on CUDA, bfloat16 on CPU)", choices=("float16", "bfloat16"))
+    # data loading
+    workers: int = setting(1, "DataLoader worker processes per training process", bound=">=0")
+    persistent_workers: bool = setting(True, "keep DataLoader workers alive between epochs")
+    prefetch_factor: int = setting(2, "batches each worker loads ahead", bound=">0")
+    pin_memory: bool | None = setting(None, "page-locked host memory for faster copies (default: on with CUDA, "
+                                            "off on CPU)")
+    aspect_ratio_group_factor: int = setting(-1, "group images of similar aspect ratio into batches (-1: off)")
+    # distributed
+    dist_backend: str | None = setting(None, "process-group backend (default: nccl with CUDA, else gloo)",
+                                       choices=("gloo", "nccl"))
+    dist_timeout: float = setting(600.0, "seconds a collective may wait before the run fails instead of hanging",
+                                  bound=">0")
+    # With one core per process, gloo's all-reduce thread competes with backward for that core, so
+    # one bucket holding all of cpu-tiny's gradients (one all-reduce after backward) beats several
+    # overlapping it; on GPUs the preset keeps DDP's 25 MB.
+    bucket_cap_mb: float = setting(100.0, "DDP gradient bucket size (MB)", bound=">0")
+    gradient_as_bucket_view: bool = setting(True, "let gradients alias DDP's buckets (saves a copy and memory)")
+    static_graph: bool = setting(False, "tell DDP the graph is the same every step")
+    broadcast_buffers: bool = setting(True, "sync BatchNorm buffers from rank 0 before each forward (DDP's "
+                                            "forward_sync_buffers)")
+    find_unused_parameters: bool = setting(False, "let DDP handle parameters without gradients (slower)")
+    grad_compression: str = setting("none", "compress gradients to fp16/bf16 before all-reduce (CUDA only)",
+                                    choices=("none", "fp16", "bf16"))
+    # speed flags and reproducibility
+    cudnn_benchmark: bool = setting(False, "let cuDNN time convolution algorithms (good for fixed sizes)")
+    deterministic: bool = setting(False, "deterministic algorithms and cuDNN (slower; for exact reproducibility)")
+    channels_last: bool = setting(False, "NHWC memory format for the backbone and its input batch (faster "
+                                         "tensor cores on GPUs)")
+    fixed_shapes: bool = setting(False, "pad every batch to one of three shapes (landscape, portrait, mixed) "
+                                        "instead of its largest image, so shapes repeat for --compile-backbone, "
+                                        "CUDA graphs and cudnn.benchmark")
+    compile_backbone: bool = setting(False, "torch.compile the backbone, FPN and RPN head (CUDA graphs on GPUs); "
+                                            "use with --fixed-shapes, or every new image shape compiles again")
+    decode_on_device: bool = setting(False, "decode training JPEGs on the device (nvJPEG on GPUs) in the main "
+                                            "process; the workers only read the files")
+    seed: int = setting(0, "seed of model init (same on every rank) and data order")
+    # evaluation, logging, checkpoints
+    eval_every: int | None = setting(None, "evaluate every N optimizer steps (always at the end)", bound=">0")
+    print_freq: int = setting(10, "log metrics every N optimizer steps", bound=">0")
+    output_dir: str | None = setting(None, "where config.json, metrics.jsonl, eval.jsonl, checkpoints/ and "
+                                           "TensorBoard go (default: runs/train)")
+    resume: str | None = setting(None, "checkpoint to resume from, or 'auto' for the newest good one in "
+                                       "--output-dir")
+    test_only: bool = setting(False, "only evaluate the --resume/--weights model")
+    checkpoint_every: int = setting(100, "save a checkpoint every N optimizer steps (and at the end)", bound=">0")
+    keep_checkpoints: int = setting(2, "numbered checkpoints to keep besides last.pt", bound=">0")
+    skip_nonfinite: int = setting(0, "skip up to N optimizer steps with a non-finite loss instead of stopping",
+                                  bound=">=0")
+    progress: bool = setting(True, "show a progress bar on rank 0")
+    overfit: int | None = setting(None, "the overfit check: train on the first N training images and evaluate "
+                                        "on the same N (proves data, labels and pipeline before a long run)",
+                                  bound=">0")
+    #: The settings the user typed (they win over a checkpoint's); a record, not a flag.
+    given: tuple[str, ...] = field(default=(), metadata={"flag": False})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def flag_fields() -> list[dataclasses.Field]:
+    """The `Config` fields a flag sets: all but the record of which ones were typed."""
+    return [f for f in dataclasses.fields(Config) if f.metadata.get("flag", True)]
+
+
+def value_type(f: dataclasses.Field) -> type:
+    """The type of a field's value when it has one: `int | None` -> int."""
+    return {"int": int, "float": float, "bool": bool}.get(str(f.type).split(" | ")[0], str)
 
 
 def default_preset() -> str:
@@ -190,36 +219,78 @@ def resolve(cfg: Config, explicit: set[str] | None = None) -> Config:
 
 def make_config(preset: str | None = None, **overrides: Any) -> Config:
     """A resolved config for code and notebooks: `make_config("cpu-tiny", batch_size=2)`."""
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(Config)}
+    unknown = set(overrides) - {f.name for f in flag_fields()}
     if unknown:
         raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
     cfg = Config(preset=preset, **overrides)
     return resolve(cfg, explicit=set(overrides))
 
 
-def precision(cfg: Config, device_type: str) -> str:
-    """The one precision decision: "float32" unless `--amp`; then `--amp-dtype`, else float16 on
-    CUDA (with GradScaler) and bfloat16 on CPU."""
-    if not cfg.amp:
-        return "float32"
-    return cfg.amp_dtype or ("float16" if device_type == "cuda" else "bfloat16")
+@dataclass(frozen=True)
+class Run:
+    """One run's settings and the facts its processes decide, computed from them on construction.
 
-
-def derive(cfg: Config, world_size: int, device: torch.device | str) -> Config:
-    """The settings that depend on the run's processes, resolved once (pure: a new Config).
-
-    Global batch = batch_size x accum_steps x world_size; lr = the flag's lr (tuned for a global
-    batch of REFERENCE_BATCH) scaled linearly to it; pin_memory on with CUDA unless set; the
-    autocast precision. `train.py` and the benchmark harness both call this.
+    Settings read through it (`run.batch_size`); the derived facts are its own fields. It cannot be
+    changed in place, and `dataclasses.replace` accepts only `settings`, `world_size` and `device`,
+    recomputing every fact: change a setting with `dataclasses.replace(run, settings=...)` or
+    `derive(dataclasses.replace(run.settings, ...), ...)`.
     """
-    device = torch.device(device)
-    base_lr = cfg.base_lr or cfg.lr
-    global_batch = cfg.batch_size * cfg.accum_steps * world_size
-    return dataclasses.replace(
-        cfg, world_size=world_size, device=str(device), global_batch_size=global_batch, base_lr=base_lr,
-        lr=base_lr * global_batch / REFERENCE_BATCH,
-        pin_memory=device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory,
-        precision=precision(cfg, device.type))
+
+    settings: Config
+    world_size: int
+    device: torch.device
+    #: images per optimizer step over all processes: batch_size x accum_steps x world_size
+    global_batch: int = field(init=False)
+    #: the user's lr (for REFERENCE_BATCH images) scaled linearly to the global batch
+    scaled_lr: float = field(init=False)
+    #: the autocast dtype: "float32" unless --amp; then --amp-dtype, else float16 on CUDA, bfloat16 on CPU
+    precision: str = field(init=False)
+    #: --pin-memory when typed, else on with CUDA
+    pin_memory: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.settings, Config):
+            raise TypeError(f"a Run derives from settings (a Config), not from a {type(self.settings).__name__}")
+        cfg = dataclasses.replace(self.settings)  # its own copy: editing the caller's cannot stale the facts
+        device = torch.device(self.device)
+        global_batch = cfg.batch_size * cfg.accum_steps * self.world_size
+        precision = "float32"
+        if cfg.amp:
+            precision = cfg.amp_dtype or ("float16" if device.type == "cuda" else "bfloat16")
+        facts = dict(settings=cfg, device=device, global_batch=global_batch, precision=precision,
+                     scaled_lr=cfg.lr * global_batch / REFERENCE_BATCH,
+                     pin_memory=device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory)
+        for name, value in facts.items():
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        """A setting, for a name that is not one of the run's own fields."""
+        if name.startswith("__") or name == "settings":  # copy and pickle probe these before settings exist
+            raise AttributeError(name)
+        return getattr(self.settings, name)
+
+    def facts(self) -> dict[str, Any]:
+        """What `derive` decided, as JSON values."""
+        return dict(world_size=self.world_size, device=str(self.device), global_batch=self.global_batch,
+                    scaled_lr=self.scaled_lr, precision=self.precision, pin_memory=self.pin_memory)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings, and the derived facts under "derived" (config.json, checkpoints, --print-config)."""
+        return self.settings.to_dict() | {"derived": self.facts()}
+
+
+def derive(cfg: Config, world_size: int, device: torch.device | str) -> Run:
+    """The run `cfg` makes on `world_size` processes on `device`: `train.py` and the lab call this once
+    per run, and the optimizer, autocast, GradScaler, loaders and metrics take what it returns."""
+    return Run(cfg, world_size, torch.device(device))
+
+
+def require_run(cfg: Any, needs: str) -> Run:
+    """`cfg` when it is a `Run`; a TypeError naming what `needs` it when it is settings never derived."""
+    if not isinstance(cfg, Run):
+        raise TypeError(f"{needs} needs the run's derived facts: pass config.derive(cfg, world_size, device), "
+                        f"not a {type(cfg).__name__}")
+    return cfg
 
 
 def flag_name(name: str) -> str:
@@ -227,58 +298,39 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _check_field(f: dataclasses.Field, value: Any) -> None:
+    """The rules beside the field (`setting`'s choices and bound), and finiteness for every float."""
+    flag, choices, bound = flag_name(f.name), f.metadata.get("choices"), f.metadata.get("bound")
+    if value is None and str(f.type).endswith("| None"):
+        return  # unset: the run decides (or does without)
+    if choices and value not in choices:
+        raise ConfigError(f"{flag}: {value!r} is not one of {', '.join(choices)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{flag} must be a finite number, got {value}")
+    if bound == ">0" and value <= 0:
+        what = "a positive integer" if value_type(f) is int else "positive"
+        raise ConfigError(f"{flag} must be {what}, got {value}")
+    if bound == ">=0" and value < 0:
+        raise ConfigError(f"{flag} must be 0 or more, got {value}")
+
+
 def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_size: int = 1) -> None:
     """Raise `ConfigError` for the first setting that cannot work, before any heavy work."""
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
-    positive = ["batch_size", "epochs", "accum_steps", "min_size", "max_size", "print_freq",
-                "checkpoint_every", "keep_checkpoints", "shapes_train", "shapes_val",
-                "rpn_pre_nms_top_n", "rpn_post_nms_top_n", "rpn_batch_size_per_image",
-                "box_batch_size_per_image", "prefetch_factor", "fpn_channels", "mask_head_layers",
-                "mask_head_channels", "box_head_dim"]
-    for name in positive:
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{flag_name(name)} must be a positive integer, got {getattr(cfg, name)}")
-    for name in ("max_steps", "eval_every", "overfit"):
-        value = getattr(cfg, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{flag_name(name)} must be a positive integer, got {value}")
-    for f in dataclasses.fields(Config):
-        value = getattr(cfg, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{flag_name(f.name)} must be a finite number, got {value}")
-    for name in ("lr", "bucket_cap_mb"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
+    for f in flag_fields():
+        _check_field(f, getattr(cfg, f.name))
     if not 0 <= cfg.momentum < 1:
         raise ConfigError(f"--momentum must be in [0, 1), got {cfg.momentum}")
-    if cfg.weight_decay < 0:
-        raise ConfigError(f"--weight-decay must be 0 or more, got {cfg.weight_decay}")
     sizes = cfg.anchor_sizes.split(",")
     if len(sizes) != 5 or not all(s.strip().isdigit() and int(s) > 0 for s in sizes):
         raise ConfigError(f"--anchor-sizes {cfg.anchor_sizes!r}: give 5 positive integers, one per FPN "
                           "level (e.g. 32,64,128,256,512)")
-    if cfg.workers < 0:
-        raise ConfigError(f"--workers must be 0 or more, got {cfg.workers}")
-    if cfg.warmup_steps < 0 or cfg.skip_nonfinite < 0:
-        raise ConfigError("--warmup-steps and --skip-nonfinite must be 0 or more")
-    if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
-        raise ConfigError(f"--clip-grad-norm must be positive, got {cfg.clip_grad_norm}")
-    if cfg.dist_timeout <= 0:
-        raise ConfigError(f"--dist-timeout must be positive seconds, got {cfg.dist_timeout}")
-    for name, allowed in (("backbone", BACKBONES), ("norm", NORMS), ("optimizer", OPTIMIZERS), ("lr_decay", LR_DECAYS),
-                          ("grad_compression", COMPRESSIONS)):
-        if getattr(cfg, name) not in allowed:
-            raise ConfigError(f"{flag_name(name)}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
-    if cfg.amp_dtype is not None and cfg.amp_dtype not in AMP_DTYPES:
-        raise ConfigError(f"--amp-dtype: {cfg.amp_dtype!r} is not one of {', '.join(AMP_DTYPES)}")
     if not cuda and cfg.amp_dtype == "float16":
         raise ConfigError("--amp-dtype float16 needs a CUDA GPU; on CPU use --amp-dtype bfloat16 "
                           "(the default for --amp on CPU)")
     if cfg.amp_dtype is not None and not cfg.amp:
         raise ConfigError(f"--amp-dtype {cfg.amp_dtype} picks the dtype of --amp, which is off; add --amp "
                           "(or drop --amp-dtype for full fp32)")
-    if cfg.dist_backend not in (None, "gloo", "nccl"):
-        raise ConfigError(f"--dist-backend: {cfg.dist_backend!r} is not one of gloo, nccl")
     if cfg.dist_backend == "nccl" and not cuda:
         raise ConfigError("--dist-backend nccl needs CUDA GPUs; none are visible (use gloo)")
     if cuda and cfg.dist_backend != "gloo" and local_world_size > torch.cuda.device_count():
@@ -290,6 +342,11 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
         raise ConfigError(f"--sync-bn converts BatchNorm layers; it does not apply to --norm {cfg.norm}")
     if cfg.test_only and not (cfg.resume or cfg.weights):
         raise ConfigError("--test-only needs a model to evaluate: give --resume PATH or --weights PATH")
+    _check_paths(cfg)
+
+
+def _check_paths(cfg: Config) -> None:
+    """The data, weights, checkpoint and output paths exist (or can be written)."""
     if cfg.data_path is not None:
         root = Path(cfg.data_path)
         if not root.is_dir():

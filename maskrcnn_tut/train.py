@@ -6,6 +6,7 @@ book exercises; this file only composes them, so the course and the production r
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
@@ -19,7 +20,7 @@ import torch
 from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut import distributed as du
 from maskrcnn_tut import rundir
-from maskrcnn_tut.config import Config, derive, validate
+from maskrcnn_tut.config import Config, Run, derive, validate
 from maskrcnn_tut.data.loader import (
     batch_stream,
     build_dataset,
@@ -47,16 +48,18 @@ from maskrcnn_tut.monitor import MetricsLogger, StragglerCheck
 log = logging.getLogger("maskrcnn_tut")
 
 
-def prepare_paths(cfg: Config, info: du.DistInfo) -> Config:
-    """The embedded shapes dataset when no data is given (one writer per machine), and the output dir."""
-    if cfg.data_path is None and cfg.train_json is None:
-        shapes = dict(n_train=cfg.shapes_train, n_val=cfg.shapes_val, seed=cfg.shapes_seed)
+def prepare_paths(settings: Config, info: du.DistInfo) -> Config:
+    """The settings with their paths filled in: the embedded shapes dataset when no data is given
+    (one writer per machine), the output dir, and the backend the process group uses."""
+    data_path = settings.data_path
+    if data_path is None and settings.train_json is None:
+        shapes = dict(n_train=settings.shapes_train, n_val=settings.shapes_val, seed=settings.shapes_seed)
         if info.local_rank == 0:
-            ensure_shapes_dataset(**shapes, progress=info.is_main and cfg.progress)
+            ensure_shapes_dataset(**shapes, progress=info.is_main and settings.progress)
         du.barrier()
-        cfg.data_path = str(ensure_shapes_dataset(**shapes, progress=False))
-    cfg.output_dir = du.broadcast_object(cfg.output_dir or str(Path("runs") / "train"))
-    return cfg
+        data_path = str(ensure_shapes_dataset(**shapes, progress=False))
+    output_dir = du.broadcast_object(settings.output_dir or str(Path("runs") / "train"))
+    return dataclasses.replace(settings, data_path=data_path, output_dir=output_dir, dist_backend=info.backend)
 
 
 def stop_on_sigterm() -> threading.Event:
@@ -75,10 +78,10 @@ def same_model_on_every_rank(model) -> None:
             torch.distributed.broadcast(buffer, src=0)
 
 
-def evaluate_checkpoint(cfg: Config, info: du.DistInfo, found: tuple[Path, dict] | None) -> dict:
+def evaluate_checkpoint(cfg: Run, info: du.DistInfo, found: tuple[Path, dict] | None) -> dict:
     """`--test-only`: score the checkpoint (or --weights) at the settings it was trained with."""
     if found is not None:
-        cfg = ckpt.inference_config(cfg, found[1], found[0])
+        cfg = dataclasses.replace(cfg, settings=ckpt.inference_config(cfg.settings, found[1], found[0]))
     val_set = build_dataset(cfg, "val")
     model = build_model(cfg, val_set.num_classes).to(info.device)
     if found is not None:
@@ -94,12 +97,12 @@ def evaluate_checkpoint(cfg: Config, info: du.DistInfo, found: tuple[Path, dict]
     return metrics or {}
 
 
-def run(cfg: Config) -> dict:
+def run(settings: Config) -> dict:
     """The whole job in this process; returns the final metrics (on rank 0)."""
-    # settings and processes: one process per GPU (or a share of the CPU cores each)
-    info = du.init_distributed(cfg.dist_backend, cfg.dist_timeout)
-    cfg = prepare_paths(derive(cfg, info.world_size, info.device), info)
-    cfg.dist_backend = info.backend
+    # settings and processes: one process per GPU (or a share of the CPU cores each); `cfg` is the
+    # settings plus what this run derives from them (global batch, scaled lr, precision, pin_memory)
+    info = du.init_distributed(settings.dist_backend, settings.dist_timeout)
+    cfg = derive(prepare_paths(settings, info), info.world_size, info.device)
     device = info.device
     configure_runtime(cfg, device)
     out = Path(cfg.output_dir)
@@ -157,7 +160,7 @@ def run(cfg: Config) -> dict:
 
     if info.is_main:
         (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
-    logger = MetricsLogger(out if info.is_main else None, total_steps, state.step, cfg.global_batch_size,
+    logger = MetricsLogger(out if info.is_main else None, total_steps, state.step, cfg.global_batch,
                            device, cfg.print_freq, progress=info.is_main and cfg.progress)
     stragglers = StragglerCheck(every=cfg.print_freq)
 
@@ -202,7 +205,7 @@ def run(cfg: Config) -> dict:
     metrics = run_eval()
     if info.is_main:
         logger.log_eval(state.step, metrics)
-        images = (state.step - start_step) * cfg.global_batch_size
+        images = (state.step - start_step) * cfg.global_batch
         summary = {"steps": state.step, "wall_s": round(time.perf_counter() - started, 1),
                    "train_img_per_s": round(images / max(train_time, 1e-9), 2),
                    "nonfinite_skipped": state.nonfinite_skipped, "scaler_skipped": state.scaler_skipped,
@@ -214,6 +217,15 @@ def run(cfg: Config) -> dict:
               + f"; images that failed to decode: {summary['load_failed']} train, {summary['val_load_failed']} val"
               + f"; outputs in {out}")
     return metrics or {}
+
+
+def print_config(settings: Config) -> int:
+    """`--print-config`: the settings and what this run derives from them, printed by rank 0."""
+    info = du.init_distributed(settings.dist_backend, settings.dist_timeout)
+    if info.is_main:
+        cfg = derive(dataclasses.replace(settings, dist_backend=info.backend), info.world_size, info.device)
+        print(json.dumps(cfg.to_dict(), indent=2))
+    return 0
 
 
 def report(err: UserError, rank: int) -> None:
@@ -235,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, print_only = parse_args(argv)
         validate(cfg, local_world_size=du.env_world()[3])
         if print_only:
-            print(json.dumps(cfg.to_dict(), indent=2))
-            return 0
+            return print_config(cfg)
         run(cfg)
     except UserError as err:
         report(err, rank)

@@ -17,7 +17,7 @@ from maskrcnn_tut.errors import CheckpointError
 
 CONFIG = {"backbone": "resnet18", "norm": "bn", "sync_bn": False, "fpn_channels": 128, "mask_head_layers": 2,
           "mask_head_channels": 128, "box_head_dim": 256, "num_classes": 4,
-          "class_names": ["square", "circle", "triangle"]}
+          "class_names": ["square", "circle", "triangle"], "derived": {"world_size": 1, "scaled_lr": 0.002}}
 
 
 def _payload(step: int, numel: int = 1000) -> dict:

@@ -1,12 +1,15 @@
 """The edges a user touches first: --help shows the real defaults, precision is decided once,
-`derive` resolves the run's settings, and bad weights or checkpoints are one line, not a traceback."""
+`derive` adds the run's facts apart from its settings, and bad weights or checkpoints are one line,
+not a traceback."""
+import dataclasses
 import logging
 
 import pytest
 import torch
 
 from maskrcnn_tut import checkpoint as ckpt
-from maskrcnn_tut.config import REFERENCE_BATCH, derive, make_config, validate
+from maskrcnn_tut.config import REFERENCE_BATCH, Run, derive, make_config, validate
+from maskrcnn_tut.data.loader import build_eval_loader
 from maskrcnn_tut.distributed import DistInfo
 from maskrcnn_tut.engine import autocast, build_optimizer, build_scheduler, make_scaler
 from maskrcnn_tut.errors import CheckpointError, ConfigError, UserError, print_error
@@ -24,11 +27,12 @@ def test_help_shows_each_flag_default_once_as_this_machine_resolves_it(monkeypat
     cpu = _help(monkeypatch, cuda=False)
     assert "(default: None)" not in cpu
     assert all((action.help or "").count("default:") <= 1 for action in build_parser()._actions)
-    assert "--lr LR learning rate" in cpu and "(default: 0.002, from preset cpu-tiny)" in cpu
+    assert "--lr LR learning rate" in cpu and "(default: 0.002)" in cpu  # cpu-tiny's: the dataclass default
     assert "runs/train" in cpu and "date-time" not in cpu
     gpu = _help(monkeypatch, cuda=True)
     lr_help = gpu[gpu.index("--lr LR learning rate"):gpu.index("--momentum MOMENTUM SGD")]
     assert "from preset gpu-r50" in lr_help and "0.002" not in lr_help
+    assert "(default: 25.0, from preset gpu-r50)" in gpu and "(default: 100.0)" in cpu  # --bucket-cap-mb
 
 
 def test_no_amp_with_an_amp_dtype_is_refused_not_silently_enabled():
@@ -49,13 +53,41 @@ def test_precision_is_resolved_once_by_derive(amp, dtype, device, expected):
         assert context.fast_dtype == getattr(torch, expected)
 
 
-def test_derive_scales_the_lr_to_the_global_batch_and_is_idempotent():
+def test_derive_scales_the_lr_to_the_global_batch_and_keeps_the_users_lr():
     cfg = make_config("cpu-tiny", batch_size=4, accum_steps=2, lr=1e-3)
-    derived = derive(cfg, 4, "cpu")
-    assert derived.global_batch_size == 32 and derived.base_lr == 1e-3
-    assert derived.lr == pytest.approx(1e-3 * 32 / REFERENCE_BATCH)
-    assert derive(derived, 4, "cpu").lr == derived.lr  # deriving twice does not scale twice
-    assert cfg.lr == 1e-3 and derived.pin_memory is False and derive(cfg, 1, "cuda").pin_memory is True
+    run = derive(cfg, 4, "cpu")
+    assert run.global_batch == 32 and run.lr == cfg.lr == 1e-3 and run.batch_size == 4
+    assert run.scaled_lr == pytest.approx(1e-3 * 32 / REFERENCE_BATCH)
+    assert run.pin_memory is False and derive(cfg, 1, "cuda").pin_memory is True
+    assert derive(make_config("cpu-tiny", pin_memory=False), 1, "cuda").pin_memory is False
+    with pytest.raises(TypeError, match="not from a Run"):
+        derive(run, 4, "cpu")  # deriving twice would scale twice
+
+
+def test_a_run_cannot_keep_stale_facts():
+    cfg = make_config("cpu-tiny", batch_size=4)
+    run = derive(cfg, 2, "cpu")
+    cfg.batch_size = 1  # the caller's settings: the run holds its own copy
+    assert (run.batch_size, run.global_batch) == (4, 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.batch_size = 2
+    with pytest.raises(TypeError):
+        dataclasses.replace(run, batch_size=2)
+    smaller = dataclasses.replace(run, settings=dataclasses.replace(run.settings, batch_size=2))
+    assert (smaller.global_batch, smaller.scaled_lr) == (4, pytest.approx(run.scaled_lr / 2))
+    assert dataclasses.replace(run, world_size=4).global_batch == 16
+
+
+def test_what_needs_derived_facts_refuses_settings_never_derived():
+    cfg = make_config("cpu-tiny", amp=True)
+    for attribute in ("global_batch", "scaled_lr", "precision", "world_size", "device"):
+        assert not hasattr(cfg, attribute)
+    model = build_model(cfg, 4)
+    for needs in (lambda: build_optimizer(model, cfg), lambda: autocast(cfg, torch.device("cpu")),
+                  lambda: make_scaler(cfg, torch.device("cpu")), lambda: build_eval_loader([], cfg, 0, 1)):
+        with pytest.raises(TypeError, match="config.derive"):
+            needs()
+    assert isinstance(derive(cfg, 1, "cpu"), Run)
 
 
 def test_every_user_error_has_an_exit_code():
@@ -109,13 +141,18 @@ def test_resuming_an_fp32_run_with_fp16_starts_a_fresh_scaler(caplog):
     assert "scaler starts afresh" in caplog.text
 
 
-def test_a_checkpoint_without_config_or_of_another_optimizer_is_refused(tmp_path):
-    run = make_config("cpu-tiny").to_dict()
+def test_a_checkpoint_without_config_of_the_previous_format_or_of_another_optimizer_is_refused(tmp_path):
+    run = derive(make_config("cpu-tiny"), 1, "cpu").to_dict()
     with pytest.raises(CheckpointError, match="has no config"):
         ckpt.check_compatible({"model": {}, "state": {}}, run, tmp_path / "a.pt")
     saved = dict(run, optimizer="adamw")
     with pytest.raises(CheckpointError, match="trained with --optimizer adamw, this run asks for sgd"):
         ckpt.check_compatible({"config": saved}, dict(run, optimizer="sgd"), tmp_path / "a.pt")
+    settings_only = make_config("cpu-tiny").to_dict()  # the previous format: derived facts mixed in, none apart
+    with pytest.raises(CheckpointError, match="saved by an earlier version") as err:
+        ckpt.check_compatible({"config": settings_only}, run, tmp_path / "a.pt")
+    assert "\n" not in str(err.value)
+    ckpt.check_compatible({"config": settings_only}, dict(run, test_only=True), tmp_path / "a.pt")  # scoring works
 
 
 def test_rng_state_holds_only_this_process_device():
@@ -132,7 +169,7 @@ def test_steps_decay_drops_at_torchvision_epochs_16_and_22_of_26():
 def test_gpu_r50_is_torchvision_recipe_from_scratch_and_freezes_bn_with_weights(tmp_path):
     cfg = make_config("gpu-r50")
     assert (cfg.optimizer, cfg.lr, cfg.momentum, cfg.norm, cfg.lr_decay) == ("sgd", 0.01, 0.9, "gn", "steps")
-    assert derive(make_config("gpu-r50"), 8, "cuda").lr == pytest.approx(0.02)  # 0.02/8*NGPU at 2 img/GPU
+    assert derive(make_config("gpu-r50"), 8, "cuda").scaled_lr == pytest.approx(0.02)  # 0.02/8*NGPU at 2 img/GPU
     weights = tmp_path / "w.pt"
     weights.write_bytes(b"")
     pretrained = make_config("gpu-r50", weights=str(weights))

@@ -88,7 +88,7 @@ def test_sbatch_two_nodes_train_and_evaluate(tiny_shapes, tmp_path):
     # the head node is the first host of the compressed list 127.0.0.[1-2]; one torchrun per node
     assert f"rendezvous 127.0.0.1:{env['RDZV_PORT']}" in log
     assert "SLURM_NODEID 0" in log and "SLURM_NODEID 1" in log
-    assert json.loads((out_dir / "config.json").read_text())["world_size"] == 2
+    assert json.loads((out_dir / "config.json").read_text())["derived"]["world_size"] == 2
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and EVAL_KEYS <= set(summary)
     assert "training finished" in log and not (tmp_path / "slurm.log").exists()  # no requeue when done

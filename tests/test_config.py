@@ -1,20 +1,47 @@
-"""Settings: presets by hardware, flags override presets, --help explains every flag."""
+"""Settings: one source per setting (defaults are cpu-tiny, presets hold differences), presets by
+hardware, flags override presets, --help explains every flag, --print-config shows what a run derives."""
+import dataclasses
+import json
 import subprocess
 
 import pytest
-from conftest import PYTHON, TRAIN_SCRIPT
+from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
 
-from maskrcnn_tut.config import PRESETS, REFERENCE_BATCH, make_config
+from maskrcnn_tut.config import PRESETS, REFERENCE_BATCH, Config, flag_fields, make_config
 from maskrcnn_tut.errors import ConfigError
 from maskrcnn_tut.flags import build_parser, parse_args
 
 
 def test_flags_override_the_preset_and_epochs_override_its_step_budget():
     cfg, _ = parse_args(["--preset", "cpu-tiny", "--batch-size", "3", "--lr", "0.01"])
-    assert (cfg.batch_size, cfg.lr, cfg.backbone) == (3, 0.01, PRESETS["cpu-tiny"]["backbone"])
-    assert cfg.max_steps == PRESETS["cpu-tiny"]["max_steps"]
+    assert (cfg.batch_size, cfg.lr, cfg.backbone) == (3, 0.01, Config.backbone)
+    assert cfg.max_steps == Config.max_steps
     cfg, _ = parse_args(["--preset", "cpu-tiny", "--epochs", "2"])
     assert cfg.epochs == 2 and cfg.max_steps is None
+
+
+def test_the_defaults_are_cpu_tiny_and_presets_hold_only_their_differences():
+    defaults, tiny = Config(), make_config("cpu-tiny")
+    assert {f.name: getattr(defaults, f.name) for f in flag_fields() if f.name != "preset"} == \
+        {f.name: getattr(tiny, f.name) for f in flag_fields() if f.name != "preset"}
+    for name, differences in PRESETS.items():
+        assert {k: v for k, v in differences.items() if getattr(defaults, k) == v} == {}, name
+    assert make_config("gpu-r50").bucket_cap_mb == 25.0 and defaults.bucket_cap_mb == 100.0
+
+
+def test_every_setting_carries_its_help_and_derived_facts_are_not_settings():
+    assert all(f.metadata["help"] for f in flag_fields())
+    names = {f.name for f in dataclasses.fields(Config)}
+    assert not names & {"world_size", "global_batch", "global_batch_size", "scaled_lr", "base_lr", "device",
+                        "precision"}
+
+
+def test_flags_take_their_types_and_choices_from_the_dataclass():
+    args = build_parser().parse_args(["--bucket-cap-mb", "50", "--no-amp", "--backbone", "resnet50",
+                                      "--max-steps", "7"])
+    assert (args.bucket_cap_mb, args.amp, args.backbone, args.max_steps) == (50.0, False, "resnet50", 7)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--backbone", "vgg16"])
 
 
 def test_default_preset_follows_the_hardware(monkeypatch):
@@ -42,8 +69,13 @@ def test_help_explains_every_flag_and_the_reference_batch():
     assert f"global batch of {REFERENCE_BATCH}" in text.replace("\n", " ").replace("  ", " ")
 
 
-def test_print_config_resolves_without_training():
-    out = subprocess.run([PYTHON, str(TRAIN_SCRIPT), "--print-config", "--preset", "cpu-tiny"],
-                         capture_output=True, text=True, timeout=120)
+def test_print_config_shows_the_settings_and_what_the_run_derives_without_training():
+    out = subprocess.run([PYTHON, str(TRAIN_SCRIPT), "--print-config", "--preset", "cpu-tiny", "--batch-size", "3",
+                          "--accum-steps", "2", "--lr", "0.004"], capture_output=True, text=True, timeout=120,
+                         env=subprocess_env() | {"CUDA_VISIBLE_DEVICES": ""})  # the CPU's facts on any machine
     assert out.returncode == 0, out.stderr
-    assert '"backbone": "resnet18"' in out.stdout
+    printed = json.loads(out.stdout)
+    assert printed["backbone"] == "resnet18" and printed["lr"] == 0.004  # the user's lr stays as typed
+    assert printed["derived"] == {"world_size": 1, "device": "cpu", "global_batch": 6,
+                                  "scaled_lr": pytest.approx(0.004 * 6 / REFERENCE_BATCH),
+                                  "precision": "float32", "pin_memory": False}

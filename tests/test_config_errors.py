@@ -24,6 +24,12 @@ INVALID = [  # (setting, value, the flag the message must name)
     ("test_only", True, "--test-only"), ("data_path", "/no/such/dir", "--data-path"),
     ("train_json", "/no/such.json", "--train-json"), ("resume", "/no/such.pt", "--resume"),
     ("weights", "/no/such.pt", "--weights"),
+    # the rules that live beside their fields (`config.setting`): bounds, choices, finite numbers
+    ("warmup_steps", -1, "--warmup-steps"), ("prefetch_factor", 0, "--prefetch-factor"),
+    ("shapes_train", 0, "--shapes-train"), ("eval_every", 0, "--eval-every"), ("overfit", -3, "--overfit"),
+    ("bucket_cap_mb", 0.0, "--bucket-cap-mb"), ("weight_decay", -1e-4, "--weight-decay"),
+    ("momentum", 1.0, "--momentum"), ("lr", float("nan"), "--lr"), ("dist_timeout", float("inf"), "--dist-timeout"),
+    ("lr_decay", "linear", "--lr-decay"), ("fpn_channels", -64, "--fpn-channels"),
 ]
 
 
@@ -33,6 +39,20 @@ def test_invalid_setting_names_its_flag(name, value, flag):
     with pytest.raises(ConfigError) as err:
         validate(cfg, cuda_available=False)
     assert flag in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_rule_messages_name_what_is_allowed():
+    messages = {}
+    for name, value in (("batch_size", 0), ("lr", -1.0), ("workers", -1), ("lr", float("nan")), ("norm", "ln")):
+        with pytest.raises(ConfigError) as err:
+            validate(make_config("cpu-tiny", **{name: value}), cuda_available=False)
+        messages[name, str(value)] = str(err.value)
+    assert messages == {
+        ("batch_size", "0"): "--batch-size must be a positive integer, got 0",
+        ("lr", "-1.0"): "--lr must be positive, got -1.0",
+        ("workers", "-1"): "--workers must be 0 or more, got -1",
+        ("lr", "nan"): "--lr must be a finite number, got nan",
+        ("norm", "ln"): "--norm: 'ln' is not one of bn, frozen, gn"}
 
 
 def test_more_processes_than_gpus_with_nccl(monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from pycocotools import mask as mask_utils
 
-from maskrcnn_tut.config import make_config
+from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.data.coco import CocoDetection, coco_paths
 from maskrcnn_tut.data.loader import build_train_loader, train_transforms
 from maskrcnn_tut.data.shapes import write_split
@@ -65,7 +65,7 @@ def test_crowd_excluded_categories_remapped_and_bad_boxes_counted(tmp_path, shap
 
 def test_distributed_loader_gives_each_rank_disjoint_batches(shapes_root):
     dataset = CocoDetection(*coco_paths(shapes_root, "train"), transforms=train_transforms())
-    cfg = make_config("cpu-tiny", workers=0, batch_size=3)
+    cfg = derive(make_config("cpu-tiny", workers=0, batch_size=3), 1, "cpu")
     seen = []
     for rank in range(2):
         loader = build_train_loader(dataset, cfg, rank, 2)
@@ -78,7 +78,7 @@ def test_distributed_loader_gives_each_rank_disjoint_batches(shapes_root):
 
 def test_resumed_loader_skips_consumed_batches(shapes_root):
     dataset = CocoDetection(*coco_paths(shapes_root, "train"), transforms=train_transforms())
-    cfg = make_config("cpu-tiny", workers=0, batch_size=4, aspect_ratio_group_factor=3)
+    cfg = derive(make_config("cpu-tiny", workers=0, batch_size=4, aspect_ratio_group_factor=3), 1, "cpu")
     loader = build_train_loader(dataset, cfg, 0, 1)
     loader.batch_sampler.set_epoch(2)
     full = [[t["image_id"] for t in targets] for _, targets in loader]
@@ -90,7 +90,7 @@ def test_resumed_loader_skips_consumed_batches(shapes_root):
 def test_a_dataset_smaller_than_one_global_batch_is_one_line_data_error(shapes_root):
     dataset = CocoDetection(*coco_paths(shapes_root, "val"))
     batch_size = len(dataset) // 2 + 1
-    cfg = make_config("cpu-tiny", workers=0, batch_size=batch_size)
+    cfg = derive(make_config("cpu-tiny", workers=0, batch_size=batch_size), 1, "cpu")
     assert len(build_train_loader(dataset, cfg, 0, 1)) >= 1  # fits one process
     with pytest.raises(DataError) as caught:
         build_train_loader(dataset, cfg, 0, 2)

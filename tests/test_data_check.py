@@ -14,7 +14,7 @@ from broken_coco import EXIF_REFERENCE, write_broken_coco
 from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
 from PIL import Image
 
-from maskrcnn_tut.config import make_config
+from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.data import check
 from maskrcnn_tut.data.clean import PROBLEMS
 from maskrcnn_tut.data.coco import LOAD_FAILED_KEY, CocoDetection, coco_paths, read_rgb
@@ -96,7 +96,7 @@ def test_a_file_that_breaks_after_the_scan_is_replaced_by_the_next_image(tmp_pat
 
 def test_decode_failures_in_worker_processes_are_counted_in_the_main_process(tmp_path, shapes_root, caplog):
     dataset = _copy_with_a_file_broken_after_the_scan(shapes_root, tmp_path, transforms=train_transforms())
-    cfg = make_config("cpu-tiny", workers=1, batch_size=1, aspect_ratio_group_factor=-1)
+    cfg = derive(make_config("cpu-tiny", workers=1, batch_size=1, aspect_ratio_group_factor=-1), 1, "cpu")
     loader = build_train_loader(dataset, cfg, 0, 1)
     assert loader.num_workers == 1 and len(loader) == len(dataset)  # every image, every epoch
     state = SimpleNamespace(epoch=0, batch_in_epoch=0)
@@ -119,6 +119,18 @@ def test_check_prints_a_row_for_every_problem_kind(broken):
         assert int(rows[kind][1]) == count, (kind, rows.get(kind))
         assert PROBLEMS[kind][:30] in out.stdout
     assert f"{broken.usable_train_images} usable images" in out.stdout
+
+
+@pytest.mark.parametrize("preset,sizes", [("gpu-r50", (800, 1333)), ("cpu-real", (192, 288))])
+def test_check_uses_the_presets_image_sizes(preset, sizes, broken, capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(check, "check_split", lambda cfg, split, verify: seen.append((cfg.min_size, cfg.max_size))
+                        or CocoDetection(*coco_paths(broken.root, split), train=split == "train"))
+    assert check.main(["--data-path", str(broken.root), "--preset", preset]) == 0
+    assert seen == [sizes, sizes]
+    assert f"--min-size {sizes[0]} --max-size {sizes[1]} (preset {preset})" in capsys.readouterr().out
+    assert check.main(["--data-path", str(broken.root), "--preset", preset, "--min-size", "64"]) == 0
+    assert seen[-1] == (64, sizes[1])  # a typed size wins over the preset's
 
 
 def _write_json(path, text):

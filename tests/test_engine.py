@@ -9,7 +9,7 @@ import torch
 from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.engine import (
     TrainState,
-    amp_dtype,
+    autocast_dtype,
     build_optimizer,
     lr_schedule,
     make_scaler,
@@ -49,14 +49,14 @@ def test_warmup_then_cosine_schedule():
     assert factor(110) == pytest.approx(0.0, abs=1e-12)
 
 
-def test_amp_dtype_follows_the_device():
+def test_autocast_dtype_follows_the_device():
     cfg = make_config("cpu-tiny", amp=True)
-    assert amp_dtype(derive(cfg, 1, "cpu")) == torch.bfloat16
-    assert amp_dtype(derive(cfg, 1, "cuda")) == torch.float16
-    assert amp_dtype(derive(make_config("cpu-tiny"), 1, "cpu")) is None
+    assert autocast_dtype(derive(cfg, 1, "cpu")) == torch.bfloat16
+    assert autocast_dtype(derive(cfg, 1, "cuda")) == torch.float16
+    assert autocast_dtype(derive(make_config("cpu-tiny"), 1, "cpu")) is None
     assert not make_scaler(derive(cfg, 1, "cpu"), torch.device("cpu")).is_enabled()  # bf16 needs no GradScaler
-    with pytest.raises(ValueError, match="config.derive"):
-        amp_dtype(cfg)  # an underived config has no precision: the engine refuses to guess
+    with pytest.raises(TypeError, match="config.derive"):
+        autocast_dtype(cfg)  # an underived config has no precision: the engine refuses to guess
 
 
 class _NanModel(proofs.TinyDetector):

@@ -1,7 +1,7 @@
 """COCO evaluation: perfect predictions score 1.0, degraded ones less, shards never overlap."""
 import torch
 
-from maskrcnn_tut.config import make_config
+from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.data.coco import CocoDetection, coco_paths
 from maskrcnn_tut.data.loader import build_eval_loader
 from maskrcnn_tut.evaluate import coco_from_dict, coco_metrics, to_coco_results
@@ -40,7 +40,7 @@ def test_no_predictions_score_zero(shapes_root):
 
 def test_eval_shards_cover_every_image_once(shapes_root):
     dataset = CocoDetection(*coco_paths(shapes_root, "val"), train=False)
-    cfg = make_config("cpu-tiny", workers=0, batch_size=3)
+    cfg = derive(make_config("cpu-tiny", workers=0, batch_size=3), 1, "cpu")
     seen = []
     for rank in range(3):
         for _, targets in build_eval_loader(dataset, cfg, rank, 3):

@@ -85,10 +85,10 @@ def _weights(out: Path) -> dict:
 def test_starting_an_epoch_mid_way_leaves_the_global_rng_alone(small_root):
     """A resumed run starts its loader mid-epoch; if that drew from the global RNG (which RPN and RoI
     sampling use), the resumed run would sample differently from the uninterrupted one."""
-    from maskrcnn_tut.config import make_config
+    from maskrcnn_tut.config import derive, make_config
     from maskrcnn_tut.data.loader import build_datasets, build_train_loader
 
-    cfg = make_config("cpu-tiny", data_path=str(small_root), workers=0, batch_size=2)
+    cfg = derive(make_config("cpu-tiny", data_path=str(small_root), workers=0, batch_size=2), 1, "cpu")
     loader = build_train_loader(build_datasets(cfg)[0], cfg, rank=0, world_size=1)
     before = torch.get_rng_state()
     loader.batch_sampler.set_epoch(1, skip=3)

@@ -14,7 +14,7 @@ from conftest import PYTHON, subprocess_env
 from PIL import Image
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
-from maskrcnn_tut.config import make_config
+from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.data.clean import MAX_ASPECT_RATIO, resize_fails
 from maskrcnn_tut.data.coco import LOAD_FAILED_KEY, CocoDetection, coco_paths
 from maskrcnn_tut.data.loader import batch_stream, build_eval_loader, build_train_loader
@@ -121,7 +121,7 @@ def test_string_image_ids_are_mapped_to_ints_for_training_and_evaluation(tmp_pat
         def forward(self, images):
             return [truth[round(float(img.mul(255).round().sum()))] for img in images]
 
-    loader = build_eval_loader(dataset, make_config("cpu-tiny", workers=0, batch_size=2), 0, 1)
+    loader = build_eval_loader(dataset, derive(make_config("cpu-tiny", workers=0, batch_size=2), 1, "cpu"), 0, 1)
     metrics = evaluate(PerfectModel(), loader, gt, torch.device("cpu"), dataset.label_to_cat)
     assert metrics["bbox_AP"] == pytest.approx(1.0) and metrics["segm_AP"] == pytest.approx(1.0)
     outputs = list(truth.values())
@@ -146,7 +146,7 @@ def _read_until_error(stream):
 def test_a_vanished_image_folder_is_one_line_not_a_warning_per_sample(tmp_path, shapes_root, caplog, workers):
     root = _copy(shapes_root, tmp_path)
     dataset = CocoDetection(*coco_paths(root, "val"), train=True)
-    cfg = make_config("cpu-tiny", workers=workers, batch_size=2, aspect_ratio_group_factor=-1)
+    cfg = derive(make_config("cpu-tiny", workers=workers, batch_size=2, aspect_ratio_group_factor=-1), 1, "cpu")
     stream = batch_stream(build_train_loader(dataset, cfg, 0, 1), SimpleNamespace(epoch=0, batch_in_epoch=0))
     next(stream)
     shutil.rmtree(root / "val2017")
@@ -159,7 +159,7 @@ def test_a_vanished_image_folder_is_one_line_not_a_warning_per_sample(tmp_path, 
 def test_files_vanishing_one_by_one_are_summarized_and_stop_when_all_are_gone(tmp_path, shapes_root, caplog):
     root = _copy(shapes_root, tmp_path)
     dataset = CocoDetection(*coco_paths(root, "val"), train=True)
-    cfg = make_config("cpu-tiny", workers=1, batch_size=1, aspect_ratio_group_factor=-1)
+    cfg = derive(make_config("cpu-tiny", workers=1, batch_size=1, aspect_ratio_group_factor=-1), 1, "cpu")
     stream = batch_stream(build_train_loader(dataset, cfg, 0, 1), SimpleNamespace(epoch=0, batch_in_epoch=0))
     for image in (root / "val2017").iterdir():
         image.unlink()
@@ -174,7 +174,7 @@ def test_evaluation_counts_and_leaves_out_images_that_fail_to_decode(tmp_path, s
     dataset = CocoDetection(*coco_paths(root, "val"), train=False)
     broken = root / "val2017" / dataset.images[3]["file_name"]
     broken.write_bytes(broken.read_bytes()[:100])
-    cfg = make_config("cpu-tiny", workers=1, batch_size=4)
+    cfg = derive(make_config("cpu-tiny", workers=1, batch_size=4), 1, "cpu")
     seen = []
 
     class Model(torch.nn.Module):

@@ -8,7 +8,7 @@ import torch
 from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
 from torch import nn
 
-from maskrcnn_tut.config import make_config
+from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.data.coco import CocoDetection, coco_paths
 from maskrcnn_tut.data.loader import build_eval_loader
 from maskrcnn_tut.evaluate import coco_from_dict, evaluate, prediction_stats
@@ -26,7 +26,7 @@ class PredictsNothing(nn.Module):
 
 def test_an_empty_prediction_is_reported_plainly(shapes_root, caplog):
     val = CocoDetection(*coco_paths(shapes_root, "val"), train=False)
-    loader = build_eval_loader(val, make_config("cpu-tiny", workers=0), 0, 1)
+    loader = build_eval_loader(val, derive(make_config("cpu-tiny", workers=0), 1, "cpu"), 0, 1)
     with caplog.at_level(logging.WARNING):
         metrics = evaluate(PredictsNothing(), loader, coco_from_dict(val.ground_truth()), torch.device("cpu"),
                            val.label_to_cat)

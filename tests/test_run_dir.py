@@ -119,7 +119,7 @@ def test_resume_applies_a_changed_lr_and_batch_and_says_so(data, tmp_path):
     assert "instead of the checkpoint's" in resumed.stderr and "6 images into epoch 0" in resumed.stderr
     rows = read_jsonl(out / "metrics.jsonl")
     saved = json.loads((out / "config.json").read_text())
-    assert saved["lr"] == pytest.approx(0.008 * 1 / 8)  # recorded: the lr this run trains with
+    assert saved["derived"]["scaled_lr"] == pytest.approx(0.008 * 1 / 8)  # recorded: the lr this run trains with
     assert rows[-1]["lr"] > rows[2]["lr"] * 0.4  # the schedule continues from this run's base lr
     odd = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, tmp_path / "odd", "--max-steps", "1")])
     assert odd.returncode == 0

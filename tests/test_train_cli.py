@@ -2,6 +2,7 @@
 import json
 import subprocess
 
+import pytest
 import torch
 from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
 
@@ -21,9 +22,10 @@ def _run(cmd, timeout=240):
 
 def _check_outputs(run_dir, world_size, steps, batch, accum=1):
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["world_size"] == world_size
-    assert config["global_batch_size"] == batch * accum * world_size
-    assert config["lr"] == config["base_lr"] * config["global_batch_size"] / 8
+    derived = config["derived"]  # what the run decided, apart from the settings
+    assert derived["world_size"] == world_size and config["batch_size"] == batch
+    assert derived["global_batch"] == batch * accum * world_size
+    assert derived["scaled_lr"] == pytest.approx(config["lr"] * derived["global_batch"] / 8)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert METRIC_KEYS <= set(metrics[-1])

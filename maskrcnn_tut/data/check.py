@@ -1,8 +1,9 @@
 """Validate a COCO dataset before training: `python -m maskrcnn_tut.data.check --data-path ROOT`.
 
 Runs the checks training runs at start-up (`maskrcnn_tut.data.clean`'s rules, through
-`CocoDetection`) on each split and prints a table per split: how many of each problem kind,
-example ids, and what training will do about them. Exit code 0 when training can use the data
+`CocoDetection`) on each split, for a model resizing to the preset's --min-size/--max-size (the
+preset the hardware picks, or `--preset`), and prints a table per split: how many of each problem
+kind, example ids, and what training will do about them. Exit code 0 when training can use the data
 (after the repairs listed); on bad settings or a split that leaves nothing to train on or
 evaluate, one line `error: ...` and the error's exit code (2).
 """
@@ -11,12 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import make_config, validate
+from ..config import validate
 from ..errors import UserError, print_error
+from ..flags import add_flags, config_from
 from .coco import CocoDetection
 from .loader import dataset_paths
 
 SPLITS = ("train", "val")
+#: The settings that decide what the check finds: where the data is, and the model's resize.
+FLAGS = ("data_path", "train_json", "train_images", "val_json", "val_images", "preset", "min_size", "max_size")
 
 
 def check_split(cfg, split: str, verify_pixels: bool = False) -> CocoDetection:
@@ -47,14 +51,9 @@ def format_report(split: str, dataset: CocoDetection, example_width: int = 28) -
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m maskrcnn_tut.data.check",
-        description="Report every problem training would repair or drop in a COCO dataset, per split.")
-    parser.add_argument("--data-path", help="COCO root with annotations/instances_{train,val}2017.json "
-                                            "and {train,val}2017/ (as for train.py)")
-    for split in SPLITS:
-        parser.add_argument(f"--{split}-json", help=f"{split} annotation json (overrides the --data-path layout)")
-        parser.add_argument(f"--{split}-images", help=f"{split} image folder (with --{split}-json)")
-    parser.add_argument("--min-size", type=int, help="the model's --min-size (for extreme_aspect; default: cpu-tiny's)")
-    parser.add_argument("--max-size", type=int, help="the model's --max-size (for extreme_aspect; default: cpu-tiny's)")
+        description="Report every problem training would repair or drop in a COCO dataset, per split: give "
+                    "--data-path ROOT (or --train-json and --val-json).")
+    add_flags(parser, FLAGS)
     parser.add_argument("--verify-pixels", action="store_true",
                         help="decode every image fully (slower; finds corrupt data inside files of any format)")
     return parser
@@ -62,13 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    given = {k: v for k, v in vars(args).items() if k != "verify_pixels" and v is not None}
-    if not given.get("data_path") and not given.get("train_json"):
+    if not args.data_path and not args.train_json:
         print_error("give --data-path ROOT (or --train-json and --val-json)")
         return 2
     try:
-        cfg = make_config("cpu-tiny", **given)
+        cfg = config_from(args)
         validate(cfg, cuda_available=False)
+        print(f"checking for a model that resizes to --min-size {cfg.min_size} --max-size {cfg.max_size} "
+              f"(preset {cfg.preset})", end="\n\n")
         for split in SPLITS:
             print(format_report(split, check_split(cfg, split, args.verify_pixels)), end="\n\n")
     except UserError as err:  # bad settings or data; anything else is a bug and keeps its traceback

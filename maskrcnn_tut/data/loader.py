@@ -23,6 +23,7 @@ from torch.utils.data import (
 )
 from torchvision.transforms import v2
 
+from ..config import require_run
 from ..errors import DataError
 from .coco import LOAD_FAILED_KEY, CocoDetection, coco_paths
 from .device_decode import decode_batch
@@ -131,8 +132,8 @@ def build_train_loader(dataset: CocoDetection, cfg, rank: int, world_size: int,
                         f"of --batch-size {cfg.batch_size} on {world_size} process(es) (needs "
                         f"{cfg.batch_size * world_size}): lower --batch-size or use fewer processes")
     return DataLoader(dataset, batch_sampler=ResumableBatches(batches, cfg.seed),
-                      **loader_kwargs(cfg.workers, bool(cfg.pin_memory), cfg.persistent_workers,
-                                      cfg.prefetch_factor))
+                      **loader_kwargs(cfg.workers, require_run(cfg, "build_train_loader").pin_memory,
+                                      cfg.persistent_workers, cfg.prefetch_factor))
 
 
 class EvalShard(Subset):
@@ -154,7 +155,8 @@ def build_eval_loader(dataset: CocoDetection, cfg, rank: int, world_size: int) -
     """Each rank evaluates every world_size-th image: no padding, so no duplicated predictions."""
     shard = EvalShard(dataset, rank, world_size)
     return DataLoader(shard, batch_size=cfg.batch_size, sampler=SequentialSampler(shard),
-                      **loader_kwargs(min(cfg.workers, 1), bool(cfg.pin_memory), False, cfg.prefetch_factor))
+                      **loader_kwargs(min(cfg.workers, 1), require_run(cfg, "build_eval_loader").pin_memory, False,
+                                      cfg.prefetch_factor))
 
 
 def dataset_paths(cfg, split: str) -> tuple[Path, Path]:

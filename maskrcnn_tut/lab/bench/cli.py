@@ -10,13 +10,16 @@ import shlex
 import sys
 
 from ...errors import UserError, print_error
+from ...flags import add_flags
 from .accuracy import time_to_accuracy
 from .gpu import gpu_suite
 from .overhead import overhead
 from .scaling import table
 from .sweeps import SWEEPS
 
-OPTIONS = ("preset", "data_path", "steps", "warmup", "batch_size", "min_size", "max_size", "nprocs")
+#: train.py's flags every benchmark takes (`flags.add_flags`), and the benchmark's own options.
+SETTINGS = ("preset", "data_path", "batch_size", "min_size", "max_size")
+OPTIONS = (*SETTINGS, "steps", "warmup", "nprocs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,13 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--results-dir", default="book/results", help="where --suite gpu writes its JSON")
     commands = parser.add_subparsers(dest="command", metavar="NAME")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--preset", help="cpu-tiny or gpu-r50 (default: by hardware)")
-    common.add_argument("--data-path", help="COCO root (default: the benchmark's shapes data)")
+    add_flags(common, SETTINGS)
     common.add_argument("--steps", type=int, help="measured steps (after warm-up)")
     common.add_argument("--warmup", type=int, help="warm-up steps, not measured")
-    common.add_argument("--batch-size", type=int, help="images per process (per GPU) and step")
-    common.add_argument("--min-size", type=int, help="shorter image side in pixels")
-    common.add_argument("--max-size", type=int, help="longer image side cap in pixels")
     common.add_argument("--out", help="write the result as JSON to this file")
     common.add_argument("--plot", help="save the result's plot to this image file")
     table_cmd = commands.add_parser("table", parents=[common], help="Single / DP(N) / DDP(N) speed table")
@@ -44,8 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     overhead_cmd = commands.add_parser("overhead", parents=[common], help=overhead.__doc__.splitlines()[0])
     overhead_cmd.add_argument("--image-size", type=int, help="square synthetic images of this side (default: min size)")
     overhead_cmd.add_argument("--rounds", type=int, help="alternating rounds of the three loops")
-    overhead_cmd.add_argument("--no-amp", dest="amp", action="store_false", default=None,
-                              help="fp32 steps (default: the preset's precision on this device)")
+    add_flags(overhead_cmd, ("amp",))
     accuracy_cmd = commands.add_parser("time-to-accuracy", help=time_to_accuracy.__doc__.splitlines()[0])
     accuracy_cmd.add_argument("--metric", default="segm_AP50", help="an evaluation key (default: segm_AP50)")
     accuracy_cmd.add_argument("--target", type=float, default=0.90, help="the value to reach (default: 0.90)")
