@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from maskrcnn_tut.lab import gpus, preflight, processes
+from maskrcnn_tut.lab.bench import communication
 
 
 def test_shm_report_says_how_big_and_what_to_do(tmp_path, monkeypatch):
@@ -32,22 +33,38 @@ def test_nccl_environment_names_what_is_set():
 
 
 class FakeNvml:
-    """Two GPUs: one healthy, one with uncorrected ECC errors and thermal throttling."""
+    """Two GPUs: one healthy, one with uncorrected ECC errors and thermal throttling, and 4 active
+    NVLink links on the sick one, 0 on the other."""
+
+    NVML_NVLINK_MAX_LINKS = 6
+    NVML_FEATURE_ENABLED = 1
+    NVMLError = RuntimeError
 
     def __init__(self):
-        self.shut = False
+        self.open = 0
 
     def nvmlInit(self):
-        pass
+        self.open += 1
 
     def nvmlShutdown(self):
-        self.shut = True
+        self.open -= 1
 
     def nvmlDeviceGetCount(self):
         return 2
 
     def nvmlDeviceGetHandleByIndex(self, i):
         return i
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-0000000{h}"
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return SimpleNamespace(domain=0, bus=h, device=0)
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        if link >= 4:
+            raise RuntimeError("no such link")
+        return int(h == 1)
 
     def nvmlDeviceGetName(self, h):
         return b"Fake GPU"
@@ -83,23 +100,41 @@ class FakeNvml:
         raise RuntimeError("not supported")
 
 
-def test_gpu_health_flags_ecc_errors_and_throttling():
+@pytest.fixture
+def swapped_gpus(monkeypatch):
+    """CUDA shows NVML's two GPUs in the other order (CUDA_DEVICE_ORDER, CUDA_VISIBLE_DEVICES=1,0)."""
+    monkeypatch.setattr(gpus, "gpu_count", lambda: 2)
+    monkeypatch.setattr(gpus, "cuda_device_ids", lambda index: (f"0000000{1 - index}", (0, 1 - index, 0)))
+
+
+def test_gpu_health_flags_ecc_errors_and_throttling_by_cuda_index(swapped_gpus):
     nvml = FakeNvml()
-    healthy, sick = gpus.gpu_health(nvml)
+    sick, healthy = gpus.gpu_health(nvml)
+    assert (sick["gpu"], sick["nvml_index"]) == (0, 1) and (healthy["gpu"], healthy["nvml_index"]) == (1, 0)
     assert healthy["ok"] and healthy["finding"] == "healthy" and healthy["PCIe"] == "gen 4 x16"
     assert not sick["ok"] and "3 uncorrected ECC errors" in sick["finding"] and "0x40" in sick["finding"]
-    assert "91 °C" in sick["finding"] and nvml.shut
+    assert "91 °C" in sick["finding"] and nvml.open == 0
 
 
-def test_gpu_health_without_nvidia_is_empty():
+def test_gpu_health_without_nvidia_is_empty(swapped_gpus):
     class NoDriver(FakeNvml):
         def nvmlInit(self):
             raise RuntimeError("NVML Shared Library Not Found")
     assert gpus.gpu_health(NoDriver()) == []
 
 
+def test_nvlink_links_by_cuda_index_and_nvml_shut_down_after(swapped_gpus):
+    nvml = FakeNvml()
+    assert gpus.nvlink_links([0, 1], nvml) == [4, 0] and nvml.open == 0
+
+    class NoDriver(FakeNvml):
+        def nvmlInit(self):
+            raise RuntimeError("NVML Shared Library Not Found")
+    assert gpus.nvlink_links([0, 1], NoDriver()) is None
+
+
 def test_allreduce_bandwidth_across_two_gloo_processes():
-    rows = processes.launch(preflight.allreduce_bandwidth, 2, (0.25, 1.0), 2, backend="gloo", timeout_s=120)
+    rows = processes.launch(communication.allreduce_bandwidth, 2, (0.25, 1.0), 2, backend="gloo", timeout_s=120)
     assert [row["MB"] for row in rows] == [0.25, 1.0]
     for row in rows:
         assert row["processes"] == 2 and row["backend"] == "gloo" and row["ms min"] <= row["ms"] <= row["ms max"]

@@ -3,11 +3,17 @@
 NVML numbers every GPU of the machine, in PCI order, and ignores CUDA_VISIBLE_DEVICES and
 CUDA_DEVICE_ORDER; PyTorch's `cuda:0` is the first GPU CUDA lets this process see. On a machine
 with 8 GPUs and CUDA_VISIBLE_DEVICES=3,5, `cuda:0` is NVML's GPU 3. `nvml_indices` matches the
-two by UUID (PCI address where the UUIDs differ, as for MIG slices), so `NvmlReader` reads the
-run's own GPUs and names them both ways. `gpus.GPUSampler` samples them in a thread.
+two by UUID (PCI address where the UUIDs differ, as for MIG slices), and every reader here numbers
+GPUs by CUDA index (`gpu`), with NVML's beside it (`nvml_index`, as nvidia-smi numbers them).
+
+NVML is opened once per use and shut down after it (`nvml_session`): by `NvmlReader` (the
+utilization and memory of the run's GPUs, which `GPUSampler` samples in a thread), by
+`gpu_health` (temperature, power, ECC errors, throttling and PCIe link of every GPU this process
+can use) and by `nvlink_links` (active NVLink links per GPU).
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -67,35 +73,50 @@ def nvml_indices(cuda_devices: Sequence[int], nvml, handles: list) -> list[int]:
     return found
 
 
-class NvmlReader:
-    """Reads the utilization and memory of the given CUDA devices through nvidia-ml-py (`pynvml`).
+@contextlib.contextmanager
+def nvml_session(nvml=None):
+    """NVML (the pynvml module, or `nvml` in its place: tests) initialised for the block and shut
+    down after it; `GpuUnavailable` says why when it cannot start."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError as err:
+            raise GpuUnavailable("not available: nvidia-ml-py is not installed") from err
+    try:
+        nvml.nvmlInit()
+    except Exception as err:  # pynvml.NVMLError: no library, no driver, no permission
+        raise GpuUnavailable(f"not available: no NVIDIA driver or GPU ({err})") from err
+    try:
+        yield nvml
+    finally:
+        nvml.nvmlShutdown()
 
-    Each reading names the GPU by its CUDA index (`gpu`, as the run and PyTorch number it) and its
-    NVML index (`nvml_index`, as nvidia-smi numbers it). `nvml` replaces the pynvml module (tests).
+
+def cuda_handles(nvml, cuda_devices: Sequence[int]) -> list[tuple[int, int, object]]:
+    """(CUDA index, NVML index, NVML handle) of each CUDA device, in an open `nvml_session`."""
+    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+    if not handles:
+        raise GpuUnavailable("not available: the NVIDIA driver reports no GPU")
+    numbers = nvml_indices(cuda_devices, nvml, handles)
+    return [(cuda, number, handles[number]) for cuda, number in zip(cuda_devices, numbers)]
+
+
+class NvmlReader:
+    """Reads the utilization and memory of the given CUDA devices; NVML stays open until `close()`.
+
+    Each reading names the GPU by its CUDA index (`gpu`) and its NVML index (`nvml_index`).
     """
 
     def __init__(self, cuda_devices: Sequence[int], nvml=None):
         if not cuda_devices:
             raise GpuUnavailable(f"not available: this run uses no GPU (it runs on {du.info().device.type})")
-        if nvml is None:
-            try:
-                import pynvml as nvml
-            except ImportError as err:
-                raise GpuUnavailable("not available: nvidia-ml-py is not installed") from err
+        self._session = contextlib.ExitStack()
+        self.nvml = self._session.enter_context(nvml_session(nvml))
         try:
-            nvml.nvmlInit()
-        except Exception as err:  # pynvml.NVMLError: no library, no driver, no permission
-            raise GpuUnavailable(f"not available: no NVIDIA driver or GPU ({err})") from err
-        self.nvml = nvml
-        try:
-            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
-            if not handles:
-                raise GpuUnavailable("not available: the NVIDIA driver reports no GPU")
-            numbers = nvml_indices(cuda_devices, nvml, handles)
+            self.devices = cuda_handles(self.nvml, list(cuda_devices))
         except BaseException:
-            nvml.nvmlShutdown()
+            self.close()
             raise
-        self.devices = [(cuda, number, handles[number]) for cuda, number in zip(cuda_devices, numbers)]
 
     def __call__(self) -> list[dict]:
         readings = []
@@ -107,7 +128,7 @@ class NvmlReader:
         return readings
 
     def close(self) -> None:
-        self.nvml.nvmlShutdown()
+        self._session.close()
 
 
 class GPUSampler:
@@ -211,70 +232,70 @@ def _nvml_value(call, *args, default=None):
         return default
 
 
-def gpu_health(nvml=None) -> list[dict]:
-    """Each GPU NVML sees: temperature, power, memory, uncorrected ECC errors, throttling, PCIe link;
-    `ok` False with the reason when something is off. [] without an NVIDIA driver (or pynvml)."""
-    if nvml is None:
-        try:
-            import pynvml as nvml
-        except ImportError:
-            return []
-    try:
-        nvml.nvmlInit()
-    except Exception:
+def _health(nvml, handle) -> dict:
+    """One GPU's health readings and what is off about them (`gpu_health`)."""
+    name = _nvml_value(nvml.nvmlDeviceGetName, handle, default="?")
+    name = name.decode() if isinstance(name, bytes) else name
+    memory = _nvml_value(nvml.nvmlDeviceGetMemoryInfo, handle)
+    temp = _nvml_value(nvml.nvmlDeviceGetTemperature, handle, 0)
+    power = _nvml_value(nvml.nvmlDeviceGetPowerUsage, handle)
+    limit = _nvml_value(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+    ecc = _nvml_value(nvml.nvmlDeviceGetTotalEccErrors, handle, 1, 0)  # uncorrected, volatile
+    throttle = _nvml_value(getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                           or nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle, default=0)
+    gen, width = (_nvml_value(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+                  _nvml_value(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle))
+    max_gen, max_width = (_nvml_value(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+                          _nvml_value(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle))
+    problems = []
+    if ecc:
+        problems.append(f"{ecc} uncorrected ECC errors since the driver loaded: drain this GPU")
+    # idle (0x1) and applications-clocks setting (0x2) are normal; the rest slows the GPU
+    if throttle and throttle & ~0x3:
+        problems.append(f"clocks held down (reasons mask {throttle:#x}: power, thermal or sync boost)")
+    if temp is not None and temp >= 85:
+        problems.append(f"{temp} °C")
+    if width and max_width and width < max_width and gen and max_gen and gen < max_gen:
+        problems.append(f"PCIe gen {gen} x{width} of gen {max_gen} x{max_width} (idle GPUs drop the "
+                        "link speed; check again under load)")
+    return {"name": name, "temperature C": temp,
+            "power W": power / 1000 if power is not None else None,
+            "power limit W": limit / 1000 if limit is not None else None,
+            "memory used MiB": memory.used / 2**20 if memory else None,
+            "memory MiB": memory.total / 2**20 if memory else None,
+            "uncorrected ECC": ecc, "PCIe": f"gen {gen} x{width}" if gen else None,
+            "ok": not problems, "finding": "; ".join(problems) or "healthy"}
+
+
+def gpu_health(nvml=None, cuda_devices: Sequence[int] | None = None) -> list[dict]:
+    """Each GPU this process can use (default: every one CUDA shows), by CUDA index (`gpu`) and
+    NVML's (`nvml_index`): temperature, power, memory, uncorrected ECC errors, throttling, PCIe
+    link; `ok` False with the reason when something is off. [] without an NVIDIA GPU or driver."""
+    cuda_devices = list(range(gpu_count())) if cuda_devices is None else list(cuda_devices)
+    if not cuda_devices:
         return []
-    rows = []
     try:
-        for index in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            name = _nvml_value(nvml.nvmlDeviceGetName, handle, default="?")
-            name = name.decode() if isinstance(name, bytes) else name
-            memory = _nvml_value(nvml.nvmlDeviceGetMemoryInfo, handle)
-            temp = _nvml_value(nvml.nvmlDeviceGetTemperature, handle, 0)
-            power = _nvml_value(nvml.nvmlDeviceGetPowerUsage, handle)
-            limit = _nvml_value(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
-            ecc = _nvml_value(nvml.nvmlDeviceGetTotalEccErrors, handle, 1, 0)  # uncorrected, volatile
-            throttle = _nvml_value(getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-                                   or nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle, default=0)
-            gen, width = (_nvml_value(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
-                          _nvml_value(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle))
-            max_gen, max_width = (_nvml_value(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
-                                  _nvml_value(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle))
-            problems = []
-            if ecc:
-                problems.append(f"{ecc} uncorrected ECC errors since the driver loaded: drain this GPU")
-            # idle (0x1) and applications-clocks setting (0x2) are normal; the rest slows the GPU
-            if throttle and throttle & ~0x3:
-                problems.append(f"clocks held down (reasons mask {throttle:#x}: power, thermal or sync boost)")
-            if temp is not None and temp >= 85:
-                problems.append(f"{temp} °C")
-            if width and max_width and width < max_width and gen and max_gen and gen < max_gen:
-                problems.append(f"PCIe gen {gen} x{width} of gen {max_gen} x{max_width} (idle GPUs drop the "
-                                "link speed; check again under load)")
-            rows.append({"gpu": index, "name": name, "temperature C": temp,
-                         "power W": power / 1000 if power is not None else None,
-                         "power limit W": limit / 1000 if limit is not None else None,
-                         "memory used MiB": memory.used / 2**20 if memory else None,
-                         "memory MiB": memory.total / 2**20 if memory else None,
-                         "uncorrected ECC": ecc, "PCIe": f"gen {gen} x{width}" if gen else None,
-                         "ok": not problems, "finding": "; ".join(problems) or "healthy"})
-    finally:
-        nvml.nvmlShutdown()
-    return rows
+        with nvml_session(nvml) as session:
+            return [{"gpu": cuda, "nvml_index": number, **_health(session, handle)}
+                    for cuda, number, handle in cuda_handles(session, cuda_devices)]
+    except GpuUnavailable:
+        return []
 
 
-def nvlink_links(index: int) -> int | None:
-    """Active NVLink links of GPU `index` (None when NVML cannot tell)."""
+def nvlink_links(cuda_devices: Sequence[int], nvml=None) -> list[int] | None:
+    """Active NVLink links of each CUDA device (0 for a GPU without NVLink); None when NVML
+    cannot tell (no library, no driver, a GPU it does not list)."""
     try:
-        import pynvml
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        active = 0
-        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
-            try:
-                active += pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
-            except pynvml.NVMLError:
-                break
-        return active
-    except Exception:  # no NVML library, no driver, or a GPU without NVLink
+        with nvml_session(nvml) as session:
+            counts = []
+            for _, _, handle in cuda_handles(session, list(cuda_devices)):
+                active = 0
+                for link in range(session.NVML_NVLINK_MAX_LINKS):
+                    try:
+                        active += session.nvmlDeviceGetNvLinkState(handle, link) == session.NVML_FEATURE_ENABLED
+                    except session.NVMLError:  # no such link on this GPU
+                        break
+                counts.append(active)
+            return counts
+    except GpuUnavailable:
         return None

@@ -81,8 +81,8 @@ def environment_report() -> list[dict[str, str]]:
         peer = sum(torch.cuda.can_device_access_peer(i, j) for i, j in pairs)
         rows.append(("P2P access", f"{peer} of {len(pairs)} GPU pairs can read each other's memory directly"))
     if count:
-        links = [nvlink_links(i) for i in range(count)]
-        rows.append(("NVLink", "unknown (NVML unavailable)" if None in links
+        links = nvlink_links(range(count))
+        rows.append(("NVLink", "unknown (NVML unavailable)" if links is None
                      else ", ".join(f"GPU{i}: {n} active links" for i, n in enumerate(links))))
     v = versions()
     rows += [("Python", v["python"]),
