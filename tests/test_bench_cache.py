@@ -23,14 +23,13 @@ def fake_measurement(times: list[float], images: int = 4) -> Measurement:
 CALLS = {"n": 0}
 
 
-def fake_table(steps: int = 5, warmup: int = 1, scale: float = 1.0, **overrides) -> BenchResult:
+def fake_table(steps: int = 5, warmup: int = 1, **overrides) -> BenchResult:
     """Two measured rows and an unmeasured one, as bench.table makes them, through launch_measure."""
     CALLS["n"] += 1
     base, ddp = harness.launch_measure(None, 1, [{"times": [1.0, 1.1, 0.9, 1.2, 1.0]}]), \
         harness.launch_measure(None, 2, [{"times": [0.6, 0.55, 0.5, 0.7, 0.62]}])
-    rows = [{"setup": "Single", "img/s": base[0].img_per_s * scale},
-            {"setup": "DP(2)", "note": "needs GPUs"},
-            {"setup": "DDP(2)", "img/s": ddp[0].img_per_s * scale}]
+    rows = [{"setup": "Single", **base[0].row()}, {"setup": "DP(2)", "note": "needs GPUs"},
+            {"setup": "DDP(2)", **ddp[0].row()}]
     for row in rows:
         if "img/s" in row:
             row["speedup"] = row["img/s"] / rows[0]["img/s"]
@@ -96,13 +95,18 @@ def test_rows_keep_their_spread_and_the_speedup_range(tmp_path, fake_launch):
     assert "img/s IQR" in result.columns and result.provenance["cache"]["spread"] is True
 
 
-def test_rows_that_do_not_match_the_measurements_get_no_spread(fake_launch):
-    with cache.recording_measurements() as seen:
-        result = fake_table(scale=2.0)  # img/s no longer the measurements'
-    assert len(seen) == 2
-    assert cache.add_spread(result, seen) is False
-    assert bench.interval(result.rows[0]) is None and bench.versus(result.rows[0], result.rows[2]) is None
-    assert harness.launch_measure.__name__ == "<lambda>"  # restored after the block
+def test_rows_without_step_times_get_no_spread():
+    result = BenchResult("table", "made by hand", [{"setup": "Single", "img/s": 2.0, "speedup": 1.0},
+                                                   {"setup": "DDP(2)", "img/s": 3.0, "speedup": 1.5}],
+                         ["setup", "img/s", "speedup"], [], {})
+    assert cache.add_spread(result) is False and result.columns == ["setup", "img/s", "speedup"]
+    assert bench.interval(result.rows[0]) is None and bench.versus(result.rows[0], result.rows[1]) is None
+
+
+def test_a_measurement_row_carries_its_spread_without_a_cache():
+    row = fake_measurement([1.0, 1.1, 0.9, 1.2, 1.0]).row()
+    assert row["img/s"] == pytest.approx(4 / 1.0) and row["img/s lo"] < row["img/s"] <= row["img/s hi"]
+    assert row == {**row, **bench.timing_row([1.0, 1.1, 0.9, 1.2, 1.0], 4)}
 
 
 def test_versus_and_above_say_too_noisy_when_ranges_overlap():

@@ -34,7 +34,7 @@ from ..engine import autocast, autocast_dtype, build_optimizer
 from ..hardware import current_memory_mb, peak_memory_mb, reset_peak_memory
 from ..model import build_model
 from .bench.harness import environment
-from .bench.results import BenchResult, python_call
+from .bench.results import BenchResult, python_call, register_plot
 from .machine import provenance
 from .rig import Rig, build_rig, synthetic_batches
 from .synthetic import synthetic_batch
@@ -215,6 +215,31 @@ def memory_table(preset: str = "gpu-r50", image_sizes: tuple[int, ...] = (256, 5
                                                 gpu_memory_gb=gpu_memory_gb)))
     result.provenance["gpu_memory_gb_compared"] = gpu_memory_gb
     return result
+
+
+def plot_memory_table(result: BenchResult):
+    """`memory_table`'s plot: each row's parts stacked, against the GPU compared."""
+    import matplotlib.pyplot as plt
+    parts = ["parameters MiB", "gradients MiB", "optimizer MiB", "activations MiB"]
+    labels = [f"{row['image size']} px x{row['batch']}" for row in result.rows]
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.45 * len(labels)), 4))
+    bottom = [0.0] * len(labels)
+    for part in parts:
+        values = [row[part] / 1024 for row in result.rows]
+        ax.bar(labels, values, bottom=bottom, label=part.replace(" MiB", ""))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    limit = result.provenance.get("gpu_memory_gb_compared")
+    if limit:
+        ax.axhline(limit, color="tab:red", linestyle="--", label=f"{limit:g} GB GPU")
+    ax.set(ylabel="GiB", title=f"{result.title}\n{result.provenance.get('hardware', '')}")
+    ax.tick_params(axis="x", rotation=60)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+register_plot("memory", plot_memory_table)
 
 
 # --------------------------------------------------------------------------- bytes per parameter (chapter 1)

@@ -14,11 +14,11 @@ so two chapters can never quote two different measurements of one figure. The ke
 - the function and its arguments with the defaults filled in (`cached(table)` and
   `cached(table, steps=16)` are one key).
 
-While the benchmark runs, each measured row also gets its spread: the step times themselves
-(`"step s"`), their interquartile range as img/s (`"img/s lo"`, `"img/s hi"`, from the 75th and
-25th percentile step) and, for rows with a speedup, the speedup's range against the first row
-(`"speedup lo"`, `"speedup hi"`: this row's low over the baseline's high, and its high over the
-baseline's low). `interval(row)`, `versus(a, b)` and `spread_text(row)` read them, so prose can say
+Each measured row carries its spread from the measurement itself (`timing_row`, which
+`harness.Measurement.row` uses): the step times (`"step s"`) and their interquartile range as
+img/s (`"img/s lo"`, `"img/s hi"`: `monitor.img_per_s_quartiles`). A cached result's rows with a
+speedup also get the speedup's range against the first row (`"speedup lo"`, `"speedup hi"`:
+this row's low over the baseline's high, and its high over the baseline's low). `interval(row)`, `versus(a, b)` and `spread_text(row)` read them, so prose can say
 "too noisy to tell" when two intervals overlap. The share of the machine's cores that *other*
 processes kept busy meanwhile is kept too (`provenance["cache"]["other load"]`; `machine_busy`):
 on a shared machine rows measured one after another meet different loads, which no row's own
@@ -36,13 +36,12 @@ import hashlib
 import inspect
 import json
 import os
-import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 from ...data.shapes import default_cache_dir
+from ...monitor import img_per_s_median, img_per_s_quartiles
 from ..machine import provenance
 from .results import BenchResult
 
@@ -110,50 +109,20 @@ def cache_file(key: dict, directory: Path | None = None) -> Path:
 # --------------------------------------------------------------------------- the spread
 
 
-@contextlib.contextmanager
-def recording_measurements():
-    """Collect every `harness.Measurement` that `launch_measure` returns while the block runs
-    (in every module of the package that calls it), in order; yields the list."""
-    from . import harness
-    original = harness.launch_measure
-    seen: list = []
-
-    def recorded(*args, **kwargs):
-        measurements = original(*args, **kwargs)
-        seen.extend(measurements)
-        return measurements
-
-    users = [module for name, module in list(sys.modules.items())
-             if name.startswith("maskrcnn_tut") and getattr(module, "launch_measure", None) is original]
-    for module in users:
-        module.launch_measure = recorded
-    try:
-        yield seen
-    finally:
-        for module in users:
-            module.launch_measure = original
+def timing_row(times: list[float], images_per_step: float = 1.0) -> dict:
+    """img/s (`monitor.img_per_s_median`) with its spread from raw step times, for `versus` /
+    `spread_text` (e.g. two runs of the same images per step: the faster has the higher img/s)."""
+    low, high = img_per_s_quartiles(images_per_step, list(times))
+    return {"img/s": img_per_s_median(images_per_step, list(times)), "img/s lo": low, "img/s hi": high,
+            "step s": [round(t, 5) for t in times], "images/step": images_per_step}
 
 
-def _quartiles(times: list[float]) -> tuple[float, float]:
-    if len(times) < 2:
-        return times[0], times[0]
-    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
-    return q1, q3
-
-
-def add_spread(result: BenchResult, measurements: list) -> bool:
-    """Give each measured row of `result` its spread from the matching measurement (see the module
-    docstring); rows and measurements are matched in order and checked by their img/s. Returns
-    False (and changes nothing) when they do not match one to one."""
+def add_spread(result: BenchResult) -> bool:
+    """The speedup ranges and the "img/s IQR" column of a result whose measured rows carry their
+    spread (`timing_row`); returns False, changing nothing, when some measured row has none."""
     rows = [row for row in result.rows if row.get("img/s") is not None]
-    if len(rows) != len(measurements) or any(
-            abs(row["img/s"] - m.img_per_s) > 1e-6 * max(1.0, row["img/s"]) for row, m in zip(rows, measurements)):
+    if not rows or any(row.get("img/s lo") is None for row in rows):
         return False
-    for row, m in zip(rows, measurements):
-        q1, q3 = _quartiles(list(m.iter_times))
-        row["step s"] = [round(t, 5) for t in m.iter_times]
-        row["images/step"] = m.images_per_step
-        row["img/s lo"], row["img/s hi"] = m.images_per_step / q3, m.images_per_step / q1
     base = rows[0]
     for row in rows:
         if row.get("speedup") is None:
@@ -163,22 +132,13 @@ def add_spread(result: BenchResult, measurements: list) -> bool:
         else:
             row["speedup lo"] = row["img/s lo"] / base["img/s hi"]
             row["speedup hi"] = row["img/s hi"] / base["img/s lo"]
-    for row in result.rows:
-        if row.get("img/s") is not None:
-            row["img/s IQR"] = f"{row['img/s lo']:.3g}-{row['img/s hi']:.3g}"
+    for row in rows:
+        row["img/s IQR"] = f"{row['img/s lo']:.3g}-{row['img/s hi']:.3g}"
     if "img/s" in result.columns and "img/s IQR" not in result.columns:
         result.columns.insert(result.columns.index("img/s") + 1, "img/s IQR")
     result.notes.append("img/s IQR: images per step over the 75th and 25th percentile step times (the middle "
                         "half of the measured steps); speedups whose ranges overlap are too noisy to tell apart.")
     return True
-
-
-def timing_row(times: list[float], images_per_step: float = 1.0) -> dict:
-    """A row with img/s and its IQR range from raw step times, for `versus` / `spread_text`
-    (e.g. two runs of the same images per step: the faster has the higher img/s)."""
-    q1, q3 = _quartiles(list(times))
-    return {"img/s": images_per_step / statistics.median(times), "img/s lo": images_per_step / q3,
-            "img/s hi": images_per_step / q1, "step s": list(times)}
 
 
 def interval(row: dict | None, key: str = "img/s") -> tuple[float, float] | None:
@@ -289,10 +249,9 @@ def cached(fn: Callable[..., BenchResult], *args, refresh: bool = False, directo
             result.provenance["cache"] = {**result.provenance.get("cache", {}), "hit": True, "file": str(path)}
             return result
         started, before = time.monotonic(), _cpu_seconds()
-        with recording_measurements() as measurements:
-            result = fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
         load = other_load(before, _cpu_seconds(), time.monotonic() - started)
-        spread = add_spread(result, measurements)
+        spread = add_spread(result)
         measured = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         result.provenance["cache"] = {"hit": False, "file": str(path), "measured": measured, "spread": spread,
                                       "code": key["code"], "other load": None if load is None else round(load, 3)}

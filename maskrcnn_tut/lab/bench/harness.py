@@ -29,6 +29,7 @@ from ...hardware import peak_memory_mb, reset_peak_memory, usable_cores
 from ...monitor import img_per_s_mean, img_per_s_median
 from ..dataparallel import DetectionDataParallel, explain_unavailable
 from ..rig import LONG_SCHEDULE, SHAPES_SIZES, build_rig, shapes_config, shapes_dataset
+from .cache import timing_row
 
 SHAPES = ("natural", "fixed", "varying")
 MEASURE_OPTIONS = ("steps", "warmup", "threads", "shape", "dataparallel", "sync_gradients", "max_seconds")
@@ -89,9 +90,11 @@ class Measurement:
         return img_per_s_mean(self.images_per_step, self.iter_times)
 
     def row(self) -> dict:
+        """The measurement as a result row: img/s with its spread (`cache.timing_row`), the data and
+        compute time of the median step, memory, steps and warm-up."""
         compute = [t - d for t, d in zip(self.iter_times, self.data_times)]
         starts = [self.data_times[i] for i in self.epoch_starts]
-        return {"img/s": self.img_per_s, "img/s all steps": self.img_per_s_all_steps,
+        return {**timing_row(self.iter_times, self.images_per_step), "img/s all steps": self.img_per_s_all_steps,
                 "data ms": round(1000 * statistics.median(self.data_times), 1),
                 "compute ms": round(1000 * statistics.median(compute), 1),
                 "epoch-start data ms": round(1000 * statistics.fmean(starts), 1) if starts else None,

@@ -163,7 +163,8 @@ def ddp_point(nprocs: int, preset: str | None = None, steps: int = 16, warmup: i
     measurement = launch_measure(cfg, nprocs, [{"steps": steps, "warmup": warmup}], threads)[0]
     row = {"setup": f"DDP({nprocs})", "processes": nprocs, "devices": nprocs, **measurement.row()}
     command = python_call("bench.ddp_point", nprocs=nprocs, preset=preset, steps=steps, warmup=warmup, **overrides)
-    return BenchResult("ddp_point", f"DDP over {nprocs}", [row], list(row), [], provenance(command))
+    return BenchResult("ddp_point", f"DDP over {nprocs}", [row],
+                       ["setup", "processes", "devices", "img/s", "peak MiB/device", "steps"], [], provenance(command))
 
 
 def _devices_used(row: dict) -> int:

@@ -67,7 +67,7 @@ class BenchResult:
         return self.to_markdown()
 
     def plot(self):
-        """A bar chart of img/s and peak memory per row (per image size and batch for memory)."""
+        """A bar chart of img/s and peak memory per row, or the plot registered for this result's name."""
         return _PLOTS.get(self.name, _plot_sweep)(self)
 
     def to_dict(self) -> dict:
@@ -123,27 +123,6 @@ def _plot_table(result: BenchResult):
     return fig
 
 
-def _plot_memory(result: BenchResult):
-    plt = _pyplot()
-    parts = ["parameters MiB", "gradients MiB", "optimizer MiB", "activations MiB"]
-    labels = [f"{row['image size']} px x{row['batch']}" for row in result.rows]
-    fig, ax = plt.subplots(figsize=(max(6.4, 0.45 * len(labels)), 4))
-    bottom = [0.0] * len(labels)
-    for part in parts:
-        values = [row[part] / 1024 for row in result.rows]
-        ax.bar(labels, values, bottom=bottom, label=part.replace(" MiB", ""))
-        bottom = [b + v for b, v in zip(bottom, values)]
-    limit = result.provenance.get("gpu_memory_gb_compared")
-    if limit:
-        ax.axhline(limit, color="tab:red", linestyle="--", label=f"{limit:g} GB GPU")
-    ax.set(ylabel="GiB", title=f"{result.title}\n{result.provenance.get('hardware', '')}")
-    ax.tick_params(axis="x", rotation=60)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    return fig
-
-
 def _plot_time_to_accuracy(result: BenchResult):
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -160,8 +139,13 @@ def _plot_time_to_accuracy(result: BenchResult):
     return fig
 
 
-_PLOTS: dict[str, Callable] = {"table": _plot_table, "memory": _plot_memory,
-                               "time-to-accuracy": _plot_time_to_accuracy}
+_PLOTS: dict[str, Callable] = {"table": _plot_table, "time-to-accuracy": _plot_time_to_accuracy}
+
+
+def register_plot(name: str, plot: Callable[[BenchResult], Any]) -> None:
+    """Draw results named `name` with `plot` (the module that makes such results registers it, so
+    this one need not know their rows)."""
+    _PLOTS[name] = plot
 
 
 # --------------------------------------------------------------------------- the GPU suite's files
