@@ -33,6 +33,7 @@ from ..config import Config, default_preset, make_config
 from ..data.shapes import ensure_shapes_dataset
 from .bench import markdown_table
 from .machine import hardware, hardware_label
+from .rig import shapes_config
 
 #: The book's dataset: big enough for a few epochs of short runs, small enough to write in seconds.
 BOOK_SHAPES = {"n_train": 128, "n_val": 32, "seed": 0}
@@ -95,8 +96,7 @@ def shapes_data() -> Path:
 
 def book_config(preset: str | None = None, **overrides) -> Config:
     """This hardware's preset (or `preset`) on the book's shapes dataset, without progress bars."""
-    settings = {"data_path": str(shapes_data()), "progress": False, **overrides}
-    return make_config(preset, **settings)
+    return shapes_config(preset, sizes="book", **overrides)
 
 
 # --------------------------------------------------------------------------- display
