@@ -43,7 +43,7 @@ from maskrcnn_tut.errors import Preempted, UserError, print_error
 from maskrcnn_tut.evaluate import coco_from_dict, evaluate
 from maskrcnn_tut.flags import parse_args
 from maskrcnn_tut.model import build_model
-from maskrcnn_tut.monitor import MetricsLogger, StragglerCheck
+from maskrcnn_tut.monitor import MetricsLogger, StragglerCheck, img_per_s_wall
 
 log = logging.getLogger("maskrcnn_tut")
 
@@ -207,12 +207,13 @@ def run(settings: Config) -> dict:
         logger.log_eval(state.step, metrics)
         images = (state.step - start_step) * cfg.global_batch
         summary = {"steps": state.step, "wall_s": round(time.perf_counter() - started, 1),
-                   "train_img_per_s": round(images / max(train_time, 1e-9), 2),
+                   "img_per_s_wall": round(img_per_s_wall(images, train_time), 2),
                    "nonfinite_skipped": state.nonfinite_skipped, "scaler_skipped": state.scaler_skipped,
                    "load_failed": train_set.report.counts["load_failed"],
                    "val_load_failed": val_set.report.counts["load_failed"], **metrics}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"done: {state.step} steps in {summary['wall_s']} s, {summary['train_img_per_s']} img/s; "
+        print(f"done: {state.step} steps in {summary['wall_s']} s, {summary['img_per_s_wall']} img/s "
+              + "(wall time, mid-run evaluations and checkpoint saves included); "
               + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
               + f"; images that failed to decode: {summary['load_failed']} train, {summary['val_load_failed']} val"
               + f"; outputs in {out}")

@@ -4,9 +4,10 @@ time-to-accuracy`).
 Speed in img/s can hide a price in accuracy or in compiling; what a user waits for is the time until the
 model is good enough. Each variant runs `train.py` as the main job does (same preset, steps and
 schedule, `torchrun` with the same process count), evaluating every `eval_every` steps, one after the
-other on the same machine. Training seconds are summed from `metrics.jsonl` (evaluation left out, as
-it is the same for both); the print windows that took over twice the median window are counted apart
-as compiling (with `--compile-backbone` the first steps compile, and so does every new shape).
+other on the same machine. Training seconds are summed from `metrics.jsonl` (each print window's
+mean step time x its steps: evaluation left out, as it is the same for both); "img/s (wall)" is
+the summary's `monitor.img_per_s_wall`, evaluations and checkpoint saves included. The print
+windows that took over twice the median window are counted apart as compiling (with `--compile-backbone` the first steps compile, and so does every new shape).
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def time_to_accuracy(metric: str = "segm_AP50", target: float = 0.90, eval_every
             at_step = dict(cumulative)
             reached = next((e for e in evals if e[metric] >= target), None)
             summary = json.loads((out / "summary.json").read_text())
-            rows.append({"variant": name, "steps": summary["steps"], "img/s": summary["train_img_per_s"],
+            rows.append({"variant": name, "steps": summary["steps"], "img/s (wall)": summary["img_per_s_wall"],
                          f"first eval with {metric} >= {target}": reached["step"] if reached else None,
                          "training s to it": at_step.get(reached["step"]) if reached else None,
                          "of it compiling s": compiling,
@@ -95,7 +96,7 @@ def time_to_accuracy(metric: str = "segm_AP50", target: float = 0.90, eval_every
              "first run on a machine does (a later run reuses the cache and compiles in a fraction of the time)."]
     command = python_call("bench.accuracy.time_to_accuracy", metric=metric, target=target, eval_every=eval_every,
                           nprocs=nprocs, extra_flags=extra_flags or None)
-    columns = ["variant", "steps", "img/s", f"first eval with {metric} >= {target}", "training s to it",
+    columns = ["variant", "steps", "img/s (wall)", f"first eval with {metric} >= {target}", "training s to it",
                "of it compiling s", "speed-up to target", "training s, all steps", f"final {metric}",
                f"{metric} by eval"]
     return BenchResult("time-to-accuracy", f"Training time to {metric} >= {target}, with and without the fast path",
