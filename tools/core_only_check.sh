@@ -8,7 +8,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python3 -m venv "$work/venv"
 started=$SECONDS
-"$work/venv/bin/pip" install --quiet --disable-pip-version-check -e .
+# (the machine's pip configuration names local wheel folders; pip warns about each one it skips)
+"$work/venv/bin/pip" install --quiet --disable-pip-version-check -e . 2> >(grep -v "^WARNING: Location 'file:" >&2)
 echo "core-only install: $((SECONDS - started)) s, $(du -sh "$work/venv" | cut -f1) on disk"
 "$work/venv/bin/python" - <<'PY'
 import importlib.util
