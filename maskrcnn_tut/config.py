@@ -32,7 +32,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # RPN/RoI sampling, AdamW 2e-3 for a global batch of 8 (2 processes x 4).
     "cpu-tiny": {},
     # Real photos on a CPU: cpu-tiny at 192/288 px instead of 128/192 (at 128 px a 640x480 COCO
-    # photo becomes 170x128 and half its instances end under 9 px). Meant first for the overfit
+    # photo becomes 170x128, where its small instances shrink to a few pixels). Meant first for the overfit
     # check (`--overfit 8 --max-steps 200`), which proves data, labels and pipeline in minutes.
     "cpu-real": dict(min_size=192, max_size=288),
     # Mask R-CNN R50-FPN as torchvision's detection reference trains it, where it can be:

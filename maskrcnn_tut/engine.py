@@ -59,19 +59,19 @@ def configure_runtime(cfg, device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
-def autocast_dtype(run: Run) -> torch.dtype | None:
+def autocast_dtype(cfg: Run) -> torch.dtype | None:
     """The autocast dtype of the run's precision (None: full fp32)."""
-    return _DTYPES[require_run(run, "autocast").precision]
+    return _DTYPES[require_run(cfg, "autocast").precision]
 
 
-def autocast(run: Run, device: torch.device):
-    dtype = autocast_dtype(run)
+def autocast(cfg: Run, device: torch.device):
+    dtype = autocast_dtype(cfg)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def make_scaler(run: Run, device: torch.device) -> torch.amp.GradScaler:
+def make_scaler(cfg: Run, device: torch.device) -> torch.amp.GradScaler:
     """A GradScaler that is active only for fp16 (bf16 has fp32's range and needs none)."""
-    return torch.amp.GradScaler(device.type, enabled=autocast_dtype(run) == torch.float16)
+    return torch.amp.GradScaler(device.type, enabled=autocast_dtype(cfg) == torch.float16)
 
 
 #: Where "steps" decay drops the lr x0.1: torchvision's epochs 16 and 22 of 26, as fractions.
@@ -96,16 +96,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.warmup_steps, total_steps, cfg.lr_decay))
 
 
-def build_optimizer(model: nn.Module, run: Run) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Run) -> torch.optim.Optimizer:
     """AdamW or SGD at the run's scaled lr; no weight decay on norm layers and biases."""
-    lr = require_run(run, "build_optimizer").scaled_lr
+    lr = require_run(cfg, "build_optimizer").scaled_lr
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (no_decay if param.ndim <= 1 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": run.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if run.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=run.momentum)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
     return torch.optim.AdamW(groups, lr=lr)
 
 
@@ -146,10 +146,10 @@ def _forward(model, images, targets, device) -> tuple[dict, float]:
     return loss_dict, marks.get("stop", time.perf_counter()) - marks.get("start", called)
 
 
-def _forward_backward(model, images, targets, run: Run, device, scaler, accum_steps: int, sync: bool):
+def _forward_backward(model, images, targets, cfg: Run, device, scaler, accum_steps: int, sync: bool):
     try:  # DDP reports parameters without gradient in the next step's forward, or in backward
         with _ddp_no_sync(model, sync):
-            with autocast(run, device):
+            with autocast(cfg, device):
                 loss_dict, forward_time = _forward(model, images, targets, device)
             loss = sum(loss_dict.values())  # a dict of tensors: sum its values, not the dict
             scaler.scale(loss / accum_steps).backward()
@@ -178,7 +178,7 @@ class StepRecord:
     stop_requested: bool = False  # some rank was asked to stop (SIGTERM): every rank knows after this step
 
 
-def train_step(model, optimizer, scaler, batches: Iterator, run: Run, device, state: TrainState,
+def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, device, state: TrainState,
                term_names: list[str], stop_requested: bool = False) -> StepRecord:
     """One optimizer step: `accum_steps` forward/backward micro-steps, then clip and step.
 
@@ -188,16 +188,16 @@ def train_step(model, optimizer, scaler, batches: Iterator, run: Run, device, st
     """
     start = time.perf_counter()
     info = du.info()
-    accum = require_run(run, "train_step").accum_steps
+    accum = require_run(cfg, "train_step").accum_steps
     data_time = forward_time = 0.0
     totals: dict[str, torch.Tensor] = {}
     optimizer.zero_grad(set_to_none=True)
     for micro in range(accum):
         t_data = time.perf_counter()
         images, targets = next(batches)
-        images, targets = to_device(images, targets, device, non_blocking=run.pin_memory)
+        images, targets = to_device(images, targets, device, non_blocking=cfg.pin_memory)
         data_time += time.perf_counter() - t_data
-        loss_dict, seconds = _forward_backward(model, images, targets, run, device, scaler, accum, micro == accum - 1)
+        loss_dict, seconds = _forward_backward(model, images, targets, cfg, device, scaler, accum, micro == accum - 1)
         forward_time += seconds
         for name, value in loss_dict.items():
             totals[name] = totals.get(name, 0.0) + value.detach().float() / accum
@@ -217,7 +217,7 @@ def train_step(model, optimizer, scaler, batches: Iterator, run: Run, device, st
     bad_ranks = [r for r in range(info.world_size) if shared[r, n] > 0]
     if bad_ranks:
         mine = {name: float(totals[name]) for name in term_names}
-        if state.nonfinite_skipped >= run.skip_nonfinite:
+        if state.nonfinite_skipped >= cfg.skip_nonfinite:
             raise NonFiniteLossError(
                 f"non-finite loss at step {state.step + 1} on rank(s) {bad_ranks}; this rank ({info.rank}) "
                 f"had {', '.join(f'{k}={v:.4g}' for k, v in mine.items())}. Lower --lr, add "
@@ -226,11 +226,11 @@ def train_step(model, optimizer, scaler, batches: Iterator, run: Run, device, st
         optimizer.zero_grad(set_to_none=True)
         if info.is_main:
             log.warning("non-finite loss at step %d on rank(s) %s: step skipped (%d of --skip-nonfinite %d)",
-                        state.step + 1, bad_ranks, state.nonfinite_skipped, run.skip_nonfinite)
+                        state.step + 1, bad_ranks, state.nonfinite_skipped, cfg.skip_nonfinite)
     else:
-        if run.clip_grad_norm is not None:
+        if cfg.clip_grad_norm is not None:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), run.clip_grad_norm)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
         scale_before = scaler.get_scale() if scaler.is_enabled() else None
         scaler.step(optimizer)
         scaler.update()
