@@ -29,7 +29,14 @@ from maskrcnn_tut.lab.dashboard import LiveDashboard, plot_metrics
 from maskrcnn_tut.lab.gpus import GPUSampler
 from maskrcnn_tut.lab.health import health_advice
 from maskrcnn_tut.lab.proofs import TinyDetector, toy_batches
-from maskrcnn_tut.monitor import StragglerCheck
+from maskrcnn_tut.monitor import (
+    StragglerCheck,
+    img_per_s_mean,
+    img_per_s_median,
+    img_per_s_quartiles,
+    img_per_s_wall,
+    metrics_row,
+)
 
 
 def record(step: int, rank_times: list[float], data_time: float = 0.01, iter_time: float = 0.5) -> StepRecord:
@@ -111,6 +118,17 @@ def test_plot_metrics_draws_time_throughput_and_memory():
     fig = plot_metrics(rows(0.1, 0.5, 100.0), total_memory_mb=1000.0)
     assert [ax.get_ylabel() for ax in fig.axes] == ["seconds per step", "images / s", "MiB"]
     plt.close(fig)
+
+
+def test_each_img_per_s_figure_has_one_definition():
+    times = [0.5, 0.5, 0.5, 2.5]  # a slow step (an epoch start, a new shape)
+    assert img_per_s_mean(4, times) == pytest.approx(4 * 4 / 4.0)  # every second counts
+    assert img_per_s_median(4, times) == pytest.approx(8.0)  # the odd slow step does not
+    low, high = img_per_s_quartiles(4, times)
+    assert low < img_per_s_median(4, times) <= high
+    assert img_per_s_wall(100, 20.0) == 5.0
+    row = metrics_row([record(1, [0.4], iter_time=0.5), record(2, [0.4], iter_time=2.5)], 4, torch.device("cpu"))
+    assert row["img_per_s"] == img_per_s_mean(4, [0.5, 2.5]) and row["iter_time"] == 1.5 and row["step"] == 2
 
 
 def test_dashboard_outside_a_notebook_collects_rows():

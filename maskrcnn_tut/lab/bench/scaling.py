@@ -19,10 +19,10 @@ from .results import BenchResult, python_call
 
 TABLE_COLUMNS = ["setup", "processes", "threads/process", "GPUs", "img/s", "peak MiB/device", "total MiB",
                  "speedup", "scaling efficiency", "note"]
-#: Images per process in the CPU speed table. A step's fixed costs (the last bucket's all-reduce,
-#: a few percent of a step in chapter 4's trace, and the wait for the slower rank) weigh less on
-#: more images: DDP(2) measured 1.61-1.66x at the preset's 4 images, 1.74-1.87x at 8 on the 2-core
-#: development machine. The GPU table keeps the preset's batch.
+#: Images per process in the CPU speed table: twice the preset's, because a step's fixed costs
+#: (the last bucket's all-reduce and the wait for the slower rank) weigh less on more images, so
+#: the table shows DDP's scaling rather than its fixed costs (docs/measurements.md has both
+#: batches' figures). The GPU table keeps the preset's batch.
 CPU_TABLE_BATCH = 8
 
 
