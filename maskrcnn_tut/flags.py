@@ -27,15 +27,16 @@ def _default_text(f: dataclasses.Field, preset: str) -> str:
     return f" (default: {value}{f', from preset {preset}' if f.name in PRESETS[preset] else ''})"
 
 
-def add_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
+def add_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = None, show_defaults: bool = True) -> None:
     """Add the flags of the `Config` fields `names` (every setting when None) to `parser`: the field's
-    type, its choices, --x/--no-x for a bool. Every default is None, so what was typed is what is not
-    None (`typed_settings`)."""
+    type, its choices, --x/--no-x for a bool, and (with `show_defaults`, for a command that keeps the
+    preset's defaults) the default in the help. Every default is None, so what was typed is what is
+    not None (`typed_settings`)."""
     fields = {f.name: f for f in flag_fields()}
     preset = default_preset()
     for name in fields if names is None else names:
         f = fields[name]
-        text = f.metadata["help"] + _default_text(f, preset)
+        text = f.metadata["help"] + (_default_text(f, preset) if show_defaults else "")
         kind = value_type(f)
         if kind is bool:
             parser.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, default=None, help=text)

@@ -44,6 +44,24 @@ def test_flags_take_their_types_and_choices_from_the_dataclass():
         build_parser().parse_args(["--backbone", "vgg16"])
 
 
+def test_the_bench_and_data_check_take_train_pys_flags():
+    from maskrcnn_tut.data import check
+    from maskrcnn_tut.lab.bench import cli
+
+    def helps(parser):
+        return {action.dest: action.help for action in parser._actions}
+
+    train = helps(build_parser())
+    table = cli.build_parser()._subparsers._group_actions[0].choices["table"]
+    for parser in (check.build_parser(), table):
+        shared = {name: text for name, text in helps(parser).items() if name in train}
+        assert {"preset", "data_path", "min_size", "max_size"} <= set(shared)
+        assert all(text.split(" (default:")[0] == train[name].split(" (default:")[0] for name, text in shared.items())
+    assert "cpu-real" in helps(table)["preset"]
+    args = cli.build_parser().parse_args(["table", "--preset", "cpu-real", "--batch-size", "2"])
+    assert (args.preset, args.batch_size) == ("cpu-real", 2)
+
+
 def test_default_preset_follows_the_hardware(monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -14,7 +14,7 @@ from ...flags import add_flags
 from .accuracy import time_to_accuracy
 from .gpu import gpu_suite
 from .overhead import overhead
-from .scaling import table
+from .scaling import CPU_TABLE_BATCH, table
 from .sweeps import SWEEPS
 
 #: train.py's flags every benchmark takes (`flags.add_flags`), and the benchmark's own options.
@@ -25,13 +25,15 @@ OPTIONS = (*SETTINGS, "steps", "warmup", "nprocs")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m maskrcnn_tut.lab.bench",
-        description="Measure the article's speed table and the technique sweeps on this machine.")
+        description="Measure the article's speed table and the technique sweeps on this machine. Settings "
+                    "not given are the preset's, except where a benchmark picks its own (the table on CPUs: "
+                    f"--batch-size {CPU_TABLE_BATCH}).")
     parser.add_argument("--suite", choices=["gpu"], help="one bounded run of everything on a GPU machine")
     parser.add_argument("--max-minutes", type=float, default=8.0, help="time budget of --suite gpu")
     parser.add_argument("--results-dir", default="book/results", help="where --suite gpu writes its JSON")
     commands = parser.add_subparsers(dest="command", metavar="NAME")
     common = argparse.ArgumentParser(add_help=False)
-    add_flags(common, SETTINGS)
+    add_flags(common, SETTINGS, show_defaults=False)
     common.add_argument("--steps", type=int, help="measured steps (after warm-up)")
     common.add_argument("--warmup", type=int, help="warm-up steps, not measured")
     common.add_argument("--out", help="write the result as JSON to this file")
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     overhead_cmd = commands.add_parser("overhead", parents=[common], help=overhead.__doc__.splitlines()[0])
     overhead_cmd.add_argument("--image-size", type=int, help="square synthetic images of this side (default: min size)")
     overhead_cmd.add_argument("--rounds", type=int, help="alternating rounds of the three loops")
-    add_flags(overhead_cmd, ("amp",))
+    add_flags(overhead_cmd, ("amp",), show_defaults=False)
     accuracy_cmd = commands.add_parser("time-to-accuracy", help=time_to_accuracy.__doc__.splitlines()[0])
     accuracy_cmd.add_argument("--metric", default="segm_AP50", help="an evaluation key (default: segm_AP50)")
     accuracy_cmd.add_argument("--target", type=float, default=0.90, help="the value to reach (default: 0.90)")
