@@ -153,6 +153,7 @@ def test_shape_census_sees_the_mask_head():
     assert 1 <= census["mask head"]["distinct"] <= 2
     fixed = timeline.batch_shapes(make_config("cpu-tiny", data_path=str(root), batch_size=2, fixed_shapes=True))
     assert fixed["distinct"] <= 3 and fixed["batches"] == 8
+    assert timeline.batch_shapes(cfg, batches=10)["batches"] == 10  # beyond one epoch, as chapter 11 counts
 
 
 # --------------------------------------------------------------------------- the article's code

@@ -2,8 +2,8 @@
 
 Writes a dataset of COCO train2017's shape (118,287 images, 860,001 instances as polygons with
 COCO's point counts, ~1 % crowd regions as uncompressed RLE, a json of COCO's size) whose image
-files are tiny (flat JPEGs of COCO's real sizes, ~5 KB each), then measures, each in a fresh
-process so the figures are not mixed up:
+files are tiny (flat JPEGs of COCO's real sizes, ~5 KB each), then measures, each in fresh
+processes started by `processes.launch` (gloo) so the figures are not mixed up:
 
 - start-up: seconds until `CocoDetection` is ready to train, the first time (cleaning every
   image and annotation) and once its cleaned records are cached, with N ranks starting together;
@@ -19,16 +19,22 @@ start-up figures carry the CPU seconds and the load average they were measured a
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from ... import distributed as du
+from ...errors import UserError, print_error
+from ...hardware import current_memory_mb, peak_memory_mb
+from .. import processes
+
+CPU = torch.device("cpu")
 
 COCO_IMAGES, COCO_INSTANCES = 118_287, 860_001
 #: COCO's most common image sizes (width, height); files are flat JPEGs of these sizes.
@@ -109,14 +115,14 @@ def write_dataset(out: Path, n_images: int, n_instances: int, seed: int = 0) -> 
 # --------------------------------------------------------------------------- measurements (children)
 
 
-def _rss_mb(pid: int | str = "self") -> dict[str, float]:
-    """rss, pss and uss (private) MB of a process, from /proc/PID/smaps_rollup."""
+def _private_mb(pid: int | str = "self") -> float:
+    """Private (unshared) MB of a process, from /proc/PID/smaps_rollup: what a DataLoader worker
+    holds of its own once copy-on-write has copied the pages it touched."""
     fields = {}
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
         key, value = line.split(":", 1)
         fields[key] = int(value.split()[0]) / 1024
-    return {"rss": fields["Rss"], "pss": fields["Pss"],
-            "uss": fields["Private_Clean"] + fields["Private_Dirty"]}
+    return fields["Private_Clean"] + fields["Private_Dirty"]
 
 
 def _cpu_s() -> float:
@@ -126,44 +132,34 @@ def _cpu_s() -> float:
                for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 
 
-def _peak_mb() -> float:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _open_dataset(out: Path, cache_dir: str | None):
-    """The train split as training builds it (whatever the CocoDetection's version takes)."""
+    """The train split as a gpu-r50 run cleans it (800/1333 px), through the records cache."""
     from maskrcnn_tut.data.coco import CocoDetection
 
-    kwargs = dict(train=True)
-    params = inspect.signature(CocoDetection).parameters
-    if "min_size" in params:
-        kwargs.update(min_size=800, max_size=1333)
-    if "cache_dir" in params:
-        kwargs.update(cache_dir=cache_dir)
-    return CocoDetection(out / "train2017", out / "annotations" / "instances_train2017.json", **kwargs)
+    return CocoDetection(out / "train2017", out / "annotations" / "instances_train2017.json", train=True,
+                         min_size=800, max_size=1333, cache_dir=cache_dir)
 
 
-def child_startup(out: Path, cache_dir: str | None) -> dict:
+def startup_worker(out: Path, cache_dir: str | None) -> list[dict]:
+    """Run inside `processes.launch`: open the dataset on every rank at once (as torchrun starts
+    them); each rank's seconds until ready, CPU seconds, and the memory the dataset added."""
     import gc
 
-    import torch  # noqa: F401  (a training process has it loaded: not the dataset's memory)
-
-    import maskrcnn_tut.data.loader  # noqa: F401
+    import maskrcnn_tut.data.loader  # noqa: F401  (a training process has it loaded: not the dataset's memory)
 
     gc.collect()
-    before = _rss_mb()
+    rss, private = current_memory_mb(CPU), _private_mb()
     cpu = _cpu_s()
     started = time.perf_counter()
     dataset = _open_dataset(out, cache_dir)
     ready = time.perf_counter() - started
     cpu = _cpu_s() - cpu
     gc.collect()
-    after = _rss_mb()
-    return {"ready_s": round(ready, 1), "cpu_s": round(cpu, 1), "load_avg": round(os.getloadavg()[0], 1),
-            "images": len(dataset), "dataset_rss_mb": round(after["rss"] - before["rss"]),
-            "dataset_uss_mb": round(after["uss"] - before["uss"]), "peak_rss_mb": round(_peak_mb() - before["rss"]),
-            "problems": dict(dataset.report.counts)}
+    return du.all_gather_objects({
+        "ready_s": round(ready, 1), "cpu_s": round(cpu, 1), "load_avg": round(os.getloadavg()[0], 1),
+        "images": len(dataset), "dataset_rss_mb": round(current_memory_mb(CPU) - rss),
+        "dataset_uss_mb": round(_private_mb() - private), "peak_rss_mb": round(peak_memory_mb(CPU) - rss),
+        "problems": dict(dataset.report.counts)})
 
 
 class _Touch:
@@ -203,29 +199,34 @@ class _Batches:
         return self.workers if self.collect else -(-self.n // 512)
 
 
-def child_workers(out: Path, cache_dir: str | None, workers: int, decode_batches: int) -> dict:
-    import torch
+def _workers_private_mb(loader) -> list[int]:
+    """`_private_mb` of each of a running DataLoader's worker processes."""
+    return [round(_private_mb(w.pid)) for w in loader._iterator._workers]
+
+
+def workers_worker(out: Path, cache_dir: str | None, workers: int, decode_batches: int) -> dict:
+    """Run inside `processes.launch` (one process): the private memory of DataLoader workers
+    reading the dataset's records, after a full garbage collection, and while decoding."""
     from torch.utils.data import DataLoader
 
     from maskrcnn_tut.data.loader import collate
 
     dataset = _open_dataset(out, cache_dir)
-    figures = {"main_rss_mb": round(_rss_mb()["rss"])}
+    figures = {"main_rss_mb": round(current_memory_mb(CPU))}
     batches = _Batches(len(dataset), workers)
     touch = DataLoader(_Touch(dataset), batch_sampler=batches, num_workers=workers, persistent_workers=True)
-    uss = lambda: [round(_rss_mb(w.pid)["uss"]) for w in touch._iterator._workers]  # noqa: E731
     started = time.perf_counter()
     for epoch in range(3):
         for _ in touch:
             pass
         if epoch == 0:
             figures["touch_epoch_s"] = round(time.perf_counter() - started, 1)
-            figures["worker_uss_mb_after_1_epoch"] = uss()
-    figures["worker_uss_mb_after_3_epochs"] = uss()
+            figures["worker_uss_mb_after_1_epoch"] = _workers_private_mb(touch)
+    figures["worker_uss_mb_after_3_epochs"] = _workers_private_mb(touch)
     batches.collect = True
     for _ in touch:
         pass
-    figures["worker_uss_mb_after_full_gc"] = uss()
+    figures["worker_uss_mb_after_full_gc"] = _workers_private_mb(touch)
     del touch
     loader = DataLoader(dataset, batch_size=2, num_workers=workers, collate_fn=collate, persistent_workers=True,
                         sampler=torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(1)))
@@ -234,7 +235,7 @@ def child_workers(out: Path, cache_dir: str | None, workers: int, decode_batches
         if k + 1 == decode_batches:
             break
     figures["decode_img_per_s"] = round(2 * decode_batches / (time.perf_counter() - started), 1)
-    figures["worker_uss_mb_decoding"] = [round(_rss_mb(w.pid)["uss"]) for w in loader._iterator._workers]
+    figures["worker_uss_mb_decoding"] = _workers_private_mb(loader)
     return figures
 
 
@@ -260,82 +261,46 @@ def _fake_results(rank: int, world: int, n_images: int, per_image: int, seed: in
     return results, ids
 
 
-def _gather_worker(rank: int, world: int, port: int, n_images: int, per_image: int, queue) -> None:
-    import torch.distributed as dist
+def gather_worker(n_images: int, per_image: int) -> dict:
+    """Run inside `processes.launch`: gather every rank's share of `n_images` images' detections
+    (`evaluate.gather_results`, as evaluation does); the slowest rank's seconds and each rank's memory."""
+    from maskrcnn_tut.evaluate import gather_results
 
-    from maskrcnn_tut import distributed as du
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results, ids = _fake_results(rank, world, n_images, per_image)
-    made = _rss_mb()["rss"]
-    dist.barrier()
+    info = du.info()
+    results, ids = _fake_results(info.rank, info.world_size, n_images, per_image)
+    made = current_memory_mb(CPU)
+    du.barrier()
     started = time.perf_counter()
-    try:
-        from maskrcnn_tut.evaluate import gather_results
-        gathered = gather_results(results, ids)
-        total = len(gathered[0]) if gathered else 0
-    except ImportError:  # an earlier version: the lists of dicts themselves
-        gathered = du.all_gather_objects((results, ids))
-        total = sum(len(r) for r, _ in gathered)
+    gathered = gather_results(results, ids)
     elapsed = time.perf_counter() - started
-    queue.put({"rank": rank, "gather_s": round(elapsed, 1), "detections": total,
-               "peak_rss_mb": round(_peak_mb()), "results_made_rss_mb": round(made)})
-    dist.destroy_process_group()
-
-
-def child_gather(n_images: int, per_image: int, world: int = 2) -> dict:
-    import torch.multiprocessing as mp
-
-    from maskrcnn_tut.lab.processes import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_gather_worker, args=(r, world, port, n_images, per_image, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    ranks = sorted((queue.get(timeout=600) for _ in procs), key=lambda f: f["rank"])
-    for p in procs:
-        p.join()
+    ranks = du.all_gather_objects({"gather_s": round(elapsed, 1), "peak_rss_mb": round(peak_memory_mb(CPU)),
+                                   "results_made_rss_mb": round(made),
+                                   "detections": len(gathered[0]) if gathered else 0})
     return {"eval_images": n_images, "detections": ranks[0]["detections"],
             "gather_s": max(f["gather_s"] for f in ranks),
             "rank_peak_rss_mb": [f["peak_rss_mb"] for f in ranks],
             "rank_rss_before_gather_mb": [f["results_made_rss_mb"] for f in ranks]}
 
 
-def _child(phase: str, out: Path, *args) -> dict:
-    """Run one measurement in a fresh interpreter; its figures come back as json on stdout."""
-    code = (f"import json, sys; from pathlib import Path; from maskrcnn_tut.data import scale; "
-            f"print(json.dumps(scale.child_{phase}(Path({str(out)!r}), *{args!r})))")
-    if phase == "gather":
-        code = f"import json; from maskrcnn_tut.data import scale; print(json.dumps(scale.child_gather(*{args!r})))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"error: the {phase} measurement failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def _ranks_together(out: Path, cache_dir: str, ranks: int) -> dict:
     """`ranks` processes opening the dataset at once (as torchrun starts them): the slowest's time."""
-    code = ("import json; from pathlib import Path; from maskrcnn_tut.data import scale; "
-            f"print(json.dumps(scale.child_startup(Path({str(out)!r}), {cache_dir!r})))")
     started = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(ranks)]
-    figures = []
-    for p in procs:
-        stdout, stderr = p.communicate()
-        if p.returncode != 0:
-            raise SystemExit(f"error: a rank failed:\n{stderr[-3000:]}")
-        figures.append(json.loads(stdout.strip().splitlines()[-1]))
+    figures = processes.launch(startup_worker, ranks, out, cache_dir, backend="gloo")
     return {"ranks": ranks, "all_ready_s": round(time.perf_counter() - started, 1),
             "rank_ready_s": [f["ready_s"] for f in figures],
             "rank_dataset_rss_mb": [f["dataset_rss_mb"] for f in figures]}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Write the dataset once, measure the phases not skipped; a failed phase ends it with one line."""
+    try:
+        return measure(argv)
+    except UserError as err:  # a worker's failure (`WorkerError`) included
+        print_error(str(err))
+        return err.exit_code
+
+
+def measure(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m maskrcnn_tut.lab.bench.coco_scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/cocoscale"))
     parser.add_argument("--images", type=int, default=COCO_IMAGES)
@@ -359,20 +324,20 @@ def main(argv: list[str] | None = None) -> int:
     if "startup" not in args.skip:
         if cache:
             shutil.rmtree(cache, ignore_errors=True)
-        results["first_start"] = _child("startup", args.out, cache)
+        results["first_start"] = processes.launch(startup_worker, 1, args.out, cache, backend="gloo")[0]
         print("first start:", results["first_start"], flush=True)
         if cache:
-            results["cached_start"] = _child("startup", args.out, cache)
+            results["cached_start"] = processes.launch(startup_worker, 1, args.out, cache, backend="gloo")[0]
             print("cached start:", results["cached_start"], flush=True)
     if "ranks" not in args.skip and cache:
         shutil.rmtree(cache, ignore_errors=True)
         results["ranks_first_start"] = _ranks_together(args.out, cache, args.ranks)
         print("ranks starting together:", results["ranks_first_start"], flush=True)
     if "workers" not in args.skip:
-        results["workers"] = _child("workers", args.out, cache, args.workers, 50)
+        results["workers"] = processes.launch(workers_worker, 1, args.out, cache, args.workers, 50, backend="gloo")
         print("workers:", results["workers"], flush=True)
     if "gather" not in args.skip:
-        results["gather"] = _child("gather", args.out, args.eval_images, args.detections)
+        results["gather"] = processes.launch(gather_worker, 2, args.eval_images, args.detections, backend="gloo")
         print("evaluation gather:", results["gather"], flush=True)
     results["cpu"] = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                            if line.startswith("model name")), "unknown")
