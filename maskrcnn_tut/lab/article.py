@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .. import distributed as du
 from ..config import make_config
 from .machine import environment_report
 from .proofs import TinyDetector, toy_batches
@@ -78,7 +79,7 @@ def _error(call) -> str:
 
 def _toy(seed: int = 0):
     """The toy detector, one batch of its uint8 images as float in [0, 1], its targets, the uint8 images."""
-    torch.manual_seed(seed)
+    du.seed_everything(seed)
     model = TinyDetector()
     raw, targets = toy_batches(1, 4, seed)[0]
     return model, [image.float() / 255 for image in raw], targets, raw

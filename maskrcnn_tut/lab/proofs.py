@@ -76,7 +76,7 @@ def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 def accumulation_check(accum_steps: int = 4, batch_size: int = 2, seed: int = 0) -> float:
     """Max |gradient difference| between K accumulated micro-batches of B and one batch of K*B."""
     batches = toy_batches(accum_steps, batch_size, seed)
-    torch.manual_seed(seed)
+    du.seed_everything(seed)
     model = TinyDetector()
     reference = TinyDetector()
     reference.load_state_dict(model.state_dict())
@@ -99,7 +99,7 @@ def ddp_accumulation_check(accum_steps: int = 4, batch_size: int = 2, seed: int 
     world = info.world_size
     all_batches = toy_batches(accum_steps * world, batch_size, seed)
     mine = all_batches[info.rank::world]  # each rank's micro-batches
-    torch.manual_seed(seed)
+    du.seed_everything(seed)
     model = TinyDetector().to(info.device)
     reference = TinyDetector().to(info.device)
     reference.load_state_dict(model.state_dict())
