@@ -231,9 +231,8 @@ class Run:
     """One run's settings and the facts its processes decide, computed from them on construction.
 
     Settings read through it (`run.batch_size`); the derived facts are its own fields. It cannot be
-    changed in place, and `dataclasses.replace` accepts only `settings`, `world_size` and `device`,
-    recomputing every fact: change a setting with `dataclasses.replace(run, settings=...)` or
-    `derive(dataclasses.replace(run.settings, ...), ...)`.
+    changed in place, and `dataclasses.replace` accepts only `settings`, `world_size` and `device`
+    and derives every fact again, so no fact outlives the settings it came from.
     """
 
     settings: Config
@@ -282,7 +281,7 @@ class Run:
 def derive(cfg: Config, world_size: int, device: torch.device | str) -> Run:
     """The run `cfg` makes on `world_size` processes on `device`: `train.py` and the lab call this once
     per run, and the optimizer, autocast, GradScaler, loaders and metrics take what it returns."""
-    return Run(cfg, world_size, torch.device(device))
+    return Run(cfg, world_size, device)
 
 
 def require_run(cfg: Any, needs: str) -> Run:
