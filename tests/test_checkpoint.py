@@ -1,7 +1,6 @@
 """Checkpoints survive crashes: a save killed midway leaves the previous one loadable and `--resume
 auto` uses it; a truncated or foreign file is named in the error and skipped with a warning; a
 checkpoint of another model is refused saying what differs; loading never runs code."""
-import json
 import logging
 import os
 import signal
@@ -10,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+from conftest import PYTHON, run_flags, run_train, subprocess_env
 
 from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut.errors import CheckpointError
@@ -41,6 +40,7 @@ ckpt.save(Path(sys.argv[1]), {"model": {"w": torch.full((4_000_000,), 4.0)}, "st
 """
 
 
+@pytest.mark.system
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_for_auto_resume(tmp_path):
     ckpt_dir, writing = tmp_path / "checkpoints", tmp_path / "writing"
     ckpt.save(ckpt_dir, _payload(2), 2, keep=2)
@@ -135,25 +135,19 @@ def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
 
 
-def test_resume_auto_from_the_command_line_skips_a_corrupt_newest_checkpoint(shapes_root, tmp_path):
+@pytest.mark.system
+def test_resume_auto_from_the_command_line_skips_a_corrupt_newest_checkpoint(small_shapes, tmp_path):
     """One process, 2 steps; then the newest checkpoint is truncated and the run resumes from step 1
     with a warning, replaying step 2 to exactly the weights the first run had."""
-    val = json.loads((shapes_root / "annotations" / "instances_val2017.json").read_text())
-    val["images"] = val["images"][:2]  # a short final evaluation
-    (tmp_path / "val.json").write_text(json.dumps(val))
-    run = [PYTHON, str(TRAIN_SCRIPT), "--train-json", str(shapes_root / "annotations" / "instances_train2017.json"),
-           "--train-images", str(shapes_root / "train2017"), "--val-json", str(tmp_path / "val.json"),
-           "--val-images", str(shapes_root / "val2017"), "--output-dir", str(tmp_path / "run"),
-           "--batch-size", "2", "--min-size", "96", "--max-size", "128", "--workers", "0", "--no-progress",
-           "--max-steps", "2", "--checkpoint-every", "1", "--deterministic",
-           "--resume", "auto"]
-    first = subprocess.run(run, capture_output=True, text=True, timeout=300, env=subprocess_env())
+    flags = run_flags(small_shapes, tmp_path / "run", "--max-steps", "2", "--checkpoint-every", "1", "--deterministic",
+                      "--resume", "auto")
+    first = run_train(*flags, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt_dir = tmp_path / "run" / "checkpoints"
     expected = ckpt.load(ckpt_dir / "last.pt")["model"]
     newest = ckpt_dir / "step_0000002.pt"
     newest.write_bytes(newest.read_bytes()[:4096])
-    again = subprocess.run(run, capture_output=True, text=True, timeout=300, env=subprocess_env())
+    again = run_train(*flags, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"--resume auto: {newest}: cannot be loaded" in again.stderr
     assert "resumed from" in again.stderr and "step_0000001.pt at step 1" in again.stderr

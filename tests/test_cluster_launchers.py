@@ -35,13 +35,6 @@ sys.path.insert(0, str(CLUSTER))
 from fake_srun import expand_hostlist  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tiny_shapes(tmp_path_factory) -> Path:
-    from maskrcnn_tut.data.shapes import ensure_shapes_dataset
-
-    return ensure_shapes_dataset(8, 2, seed=0, root=tmp_path_factory.mktemp("cluster") / "shapes", progress=False)
-
-
 def _env(tmp_path: Path, **extra) -> dict:
     env = subprocess_env()
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # torchrun, python3
@@ -78,10 +71,11 @@ def test_hostlist_fallback_expands_compressed_lists(tmp_path):
         assert out.stdout.split() == expected, via  # and sourcing ran no job
 
 
-def test_sbatch_two_nodes_train_and_evaluate(tiny_shapes, tmp_path):
+@pytest.mark.system
+def test_sbatch_two_nodes_train_and_evaluate(small_shapes, tmp_path):
     out_dir = tmp_path / "run"
     env = _env(tmp_path)
-    run = subprocess.run(_sbatch_cmd(tiny_shapes, out_dir, 2), capture_output=True, text=True, timeout=240,
+    run = subprocess.run(_sbatch_cmd(small_shapes, out_dir, 2), capture_output=True, text=True, timeout=240,
                          env=env, cwd=REPO)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-5000:]
@@ -102,14 +96,15 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
         time.sleep(0.2)
 
 
-def test_sbatch_time_limit_signal_checkpoints_and_requeues(tiny_shapes, tmp_path):
+@pytest.mark.system
+def test_sbatch_time_limit_signal_checkpoints_and_requeues(small_shapes, tmp_path):
     """`#SBATCH --signal=B:USR1@300`: USR1 to the batch shell -> SIGTERM to srun -> torchrun ->
     every rank saves after the same step; the job requeues itself. The output dir comes from the
     job id (no --output-dir), which a requeued job keeps, and train.py gets --resume auto: so the
     requeued run continues from this checkpoint (train.py's resume has its own tests)."""
     out_dir = tmp_path / "runs" / "maskrcnn-4242"
     env = _env(tmp_path, RUNS_DIR=str(tmp_path / "runs"))
-    cmd = _sbatch_cmd(tiny_shapes, out_dir, 1000)
+    cmd = _sbatch_cmd(small_shapes, out_dir, 1000)
     cut = cmd.index("--output-dir")
     cmd[cut:cut + 2] = []
     cmd[cmd.index("sbatch") + 1:cmd.index("sbatch") + 1] = ["--job-name", "maskrcnn"]

@@ -5,6 +5,7 @@ spawned children because pytest puts tests/ on sys.path).
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -14,6 +15,8 @@ from maskrcnn_tut.engine import TrainState, build_optimizer, make_scaler, train_
 from maskrcnn_tut.errors import UnusedParametersError
 from maskrcnn_tut.lab import processes
 from maskrcnn_tut.lab.proofs import TinyDetector, toy_batches
+
+pytestmark = pytest.mark.system
 
 DEFAULTS: dict = {}
 CHANGED = dict(bucket_cap_mb=1.5, gradient_as_bucket_view=False, static_graph=True, broadcast_buffers=False,

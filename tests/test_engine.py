@@ -34,6 +34,7 @@ def test_accumulation_is_not_a_sum_of_unscaled_losses():
     assert proofs.max_abs_difference(accumulated, unscaled) > 1e-4
 
 
+@pytest.mark.system
 def test_ddp_accumulation_across_two_processes_syncs_once_per_step():
     result = processes.launch(proofs.ddp_accumulation_check, 2, 4, 2)
     assert result["max_abs_diff"] < 1e-6

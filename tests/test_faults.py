@@ -9,26 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PYTHON, REPO, TRAIN_SCRIPT, run_flags, subprocess_env
+from conftest import PYTHON, REPO, TRAIN_SCRIPT, run_flags, subprocess_env, train_command
 
 from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut.lab.processes import free_port
 from maskrcnn_tut.monitor import read_jsonl
 
 FAULTY_TRAIN = REPO / "tests" / "faulty_train.py"
-
-
-@pytest.fixture(scope="module")
-def small_root(tmp_path_factory) -> Path:
-    """16 train images (4 steps an epoch for 2 processes x 2 images) and 2 to evaluate: cheap runs."""
-    from maskrcnn_tut.data.shapes import ensure_shapes_dataset
-
-    return ensure_shapes_dataset(16, 2, seed=0, root=tmp_path_factory.mktemp("data") / "small", progress=False)
-
-
-def _torchrun(flags: list[str], max_restarts: int = 0, script: list[str] = (str(TRAIN_SCRIPT),)) -> list[str]:
-    return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.5", f"--master-port={free_port()}", *script, *flags]
 
 
 def _start(cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
@@ -82,13 +69,13 @@ def _weights(out: Path) -> dict:
     return ckpt.load(out / "checkpoints" / "last.pt")["model"]
 
 
-def test_starting_an_epoch_mid_way_leaves_the_global_rng_alone(small_root):
+def test_starting_an_epoch_mid_way_leaves_the_global_rng_alone(small_shapes):
     """A resumed run starts its loader mid-epoch; if that drew from the global RNG (which RPN and RoI
     sampling use), the resumed run would sample differently from the uninterrupted one."""
     from maskrcnn_tut.config import derive, make_config
     from maskrcnn_tut.data.loader import build_datasets, build_train_loader
 
-    cfg = derive(make_config("cpu-tiny", data_path=str(small_root), workers=0, batch_size=2), 1, "cpu")
+    cfg = derive(make_config("cpu-tiny", data_path=str(small_shapes), workers=0, batch_size=2), 1, "cpu")
     loader = build_train_loader(build_datasets(cfg)[0], cfg, rank=0, world_size=1)
     before = torch.get_rng_state()
     loader.batch_sampler.set_epoch(1, skip=3)
@@ -96,16 +83,17 @@ def test_starting_an_epoch_mid_way_leaves_the_global_rng_alone(small_root):
     assert torch.equal(torch.get_rng_state(), before)
 
 
-def test_killed_worker_restarts_and_resumes_to_the_same_weights(small_root, tmp_path):
+@pytest.mark.system
+def test_killed_worker_restarts_and_resumes_to_the_same_weights(small_shapes, tmp_path):
     # 6 steps cross an epoch boundary (4 steps an epoch); checkpoints at 2, 4, 6
     common = ("--max-steps", "6", "--checkpoint-every", "2", "--deterministic", "--resume", "auto")
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    proc = _start(_torchrun(run_flags(small_root, reference, *common)), tmp_path / "reference.log")
+    proc = _start(train_command(*run_flags(small_shapes, reference, *common), nproc=2), tmp_path / "reference.log")
     _finish(proc, 300)
     assert proc.returncode == 0, (tmp_path / "reference.log").read_text()[-3000:]
 
     log = tmp_path / "interrupted.log"
-    proc = _start(_torchrun(run_flags(small_root, interrupted, *common), max_restarts=2), log)
+    proc = _start(train_command(*run_flags(small_shapes, interrupted, *common), nproc=2, max_restarts=2), log)
     _wait_for((interrupted / "checkpoints" / "step_0000002.pt").exists, proc, log)
     os.kill(_worker_pid(proc.pid, rank=1), signal.SIGKILL)
     _finish(proc, 300)
@@ -116,11 +104,12 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(small_root, tmp_
     assert _max_abs_difference(_weights(reference), _weights(interrupted)) <= 1e-6
 
 
-def test_nonfinite_loss_on_one_rank_stops_both_and_keeps_the_last_good_checkpoint(small_root, tmp_path):
+@pytest.mark.system
+def test_nonfinite_loss_on_one_rank_stops_both_and_keeps_the_last_good_checkpoint(small_shapes, tmp_path):
     """Rank 1's loss is NaN at steps 3 and 4: --skip-nonfinite 1 skips step 3, step 4 stops the run."""
     out, log = tmp_path / "run", tmp_path / "run.log"
-    flags = run_flags(small_root, out, "--max-steps", "8", "--checkpoint-every", "2", "--skip-nonfinite", "1")
-    proc = _start(_torchrun(flags, script=[str(FAULTY_TRAIN), "--nan-at", "3:1,4:1", "--"]), log)
+    flags = run_flags(small_shapes, out, "--max-steps", "8", "--checkpoint-every", "2", "--skip-nonfinite", "1")
+    proc = _start(train_command(*flags, nproc=2, script=[str(FAULTY_TRAIN), "--nan-at", "3:1,4:1", "--"]), log)
     skipped = "non-finite loss at step 3 on rank(s) [1]: step skipped (1 of --skip-nonfinite 1)"
     _wait_for(lambda: skipped in log.read_text(), proc, log)
     _finish(proc, 60)  # one more step, then every rank stops: none is left waiting in a collective
@@ -150,6 +139,7 @@ except RuntimeError as err:
 """
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dead", "hung"])
 def test_a_dead_or_hung_peer_makes_the_other_rank_exit_with_a_message(fault, tmp_path):
     timeout_s = 5
@@ -175,10 +165,11 @@ def test_a_dead_or_hung_peer_makes_the_other_rank_exit_with_a_message(fault, tmp
         procs[0].kill()
 
 
-def test_unused_parameters_under_ddp_are_one_line_naming_the_flag(small_root, tmp_path):
+@pytest.mark.system
+def test_unused_parameters_under_ddp_are_one_line_naming_the_flag(small_shapes, tmp_path):
     out, log = tmp_path / "run", tmp_path / "run.log"
-    proc = _start(_torchrun(run_flags(small_root, out, "--max-steps", "3"),
-                            script=[str(FAULTY_TRAIN), "--unused-parameter", "--"]), log)
+    proc = _start(train_command(*run_flags(small_shapes, out, "--max-steps", "3"), nproc=2,
+                                script=[str(FAULTY_TRAIN), "--unused-parameter", "--"]), log)
     _finish(proc, 120)
     output = log.read_text()
     assert proc.returncode != 0

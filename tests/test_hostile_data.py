@@ -57,6 +57,7 @@ def _peak_rss_mb(cmd) -> tuple[int, int, str]:
     return proc.returncode, usage.ru_maxrss // 1024, out
 
 
+@pytest.mark.system
 def test_absurd_polygon_coordinates_are_counted_before_pycocotools_sees_them(tmp_path):
     """A point at 1e12 overflowed pycocotools' ints (a segfault: run in a child so it fails the
     test, not pytest); one at 1e7 cost 1.5 GB and 2 s for one polygon; 10**30 is no float."""

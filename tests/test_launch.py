@@ -16,6 +16,8 @@ import torch
 from maskrcnn_tut import distributed as du
 from maskrcnn_tut.lab import processes
 
+pytestmark = pytest.mark.system
+
 
 def rank_and_pid(tag: str) -> list[dict]:
     info = du.info()

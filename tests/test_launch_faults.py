@@ -22,7 +22,7 @@ from conftest import PYTHON, subprocess_env
 from maskrcnn_tut import distributed as du
 from maskrcnn_tut.lab import processes
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+pytestmark = [pytest.mark.system, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
 TESTS = Path(__file__).resolve().parent
 SLEEPER = [PYTHON, "-c", "import time; time.sleep(600)"]

@@ -23,6 +23,8 @@ from maskrcnn_tut import distributed as du
 from maskrcnn_tut.errors import RendezvousError, UserError
 from maskrcnn_tut.lab.processes import free_port
 
+pytestmark = pytest.mark.system
+
 JOIN_SCRIPT = """
 import sys, time
 from maskrcnn_tut import distributed as du

@@ -2,10 +2,10 @@
 is never mistaken for a broken evaluation), and the overfit check trains and scores one set of
 images."""
 import logging
-import subprocess
 
+import pytest
 import torch
-from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+from conftest import run_flags, run_train
 from torch import nn
 
 from maskrcnn_tut.config import derive, make_config
@@ -42,12 +42,9 @@ def test_prediction_stats_count_detections_and_scores():
                      "score_max": 0.9}
 
 
+@pytest.mark.system
 def test_the_overfit_check_trains_and_scores_the_same_images(shapes_root, tmp_path):
-    out = tmp_path / "run"
-    result = subprocess.run([PYTHON, str(TRAIN_SCRIPT), "--data-path", str(shapes_root), "--output-dir", str(out),
-                             "--overfit", "4", "--batch-size", "2", "--max-steps", "2", "--min-size", "96",
-                             "--max-size", "128", "--workers", "0", "--no-progress"],
-                            capture_output=True, text=True, timeout=300, env=subprocess_env())
+    result = run_train(*run_flags(shapes_root, tmp_path / "run", "--overfit", "4", "--max-steps", "2"), timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     train_line, val_line = [line for line in result.stderr.splitlines() if " data " in line][:2]
     assert "instances_train2017.json: 4 images" in train_line and "instances_train2017.json: 4 images" in val_line

@@ -9,26 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, TRAIN_SCRIPT, run_flags, subprocess_env
+from conftest import run_flags, run_train, subprocess_env, train_command
 
 from maskrcnn_tut import checkpoint as ckpt
-from maskrcnn_tut.lab.processes import free_port
 from maskrcnn_tut.monitor import read_jsonl
 
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    from maskrcnn_tut.data.shapes import ensure_shapes_dataset
-    return ensure_shapes_dataset(16, 4, seed=0, root=tmp_path_factory.mktemp("data") / "small", progress=False)
-
-
-def _torchrun(nproc: int, flags: list[str]) -> list[str]:
-    return [PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--monitor-interval=0.5",
-            f"--master-port={free_port()}", str(TRAIN_SCRIPT), *flags]
-
-
-def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+pytestmark = pytest.mark.system
 
 
 def _errors(output: str) -> list[str]:
@@ -47,11 +33,11 @@ def _steps_logged(out: Path) -> list[int]:
     return [row["step"] for row in read_jsonl(out / "metrics.jsonl")]
 
 
-def test_sigterm_saves_after_the_current_step_and_the_resumed_log_has_each_step_once(data, tmp_path):
+def test_sigterm_saves_after_the_current_step_and_the_resumed_log_has_each_step_once(small_shapes, tmp_path):
     out = tmp_path / "run"
-    flags = run_flags(data, out, "--max-steps", "8", "--checkpoint-every", "100")
-    proc = subprocess.Popen(_torchrun(2, flags), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=subprocess_env(), start_new_session=True)
+    flags = run_flags(small_shapes, out, "--max-steps", "8", "--checkpoint-every", "100")
+    proc = subprocess.Popen(train_command(*flags, nproc=2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=subprocess_env(), start_new_session=True)
     try:
         _wait(lambda: len(_steps_logged(out)) >= 3, proc)
         os.killpg(proc.pid, signal.SIGTERM)  # what SLURM and Kubernetes send to the whole job
@@ -62,18 +48,18 @@ def test_sigterm_saves_after_the_current_step_and_the_resumed_log_has_each_step_
     saved = ckpt.load(out / "checkpoints" / "last.pt")["state"]["step"]
     assert 3 <= saved < 8, output[-3000:]  # saved at the step boundary, not every 100 steps
     assert any("stopped by SIGTERM after step" in line for line in _errors(output)), output[-3000:]
-    resumed = _run(_torchrun(2, flags + ["--resume", "auto"]))
+    resumed = run_train(*flags, "--resume", "auto", nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _steps_logged(out) == list(range(1, 9))  # replayed rows are not logged twice
 
 
-def test_a_second_run_on_the_same_folder_stops_naming_the_first(data, tmp_path):
+def test_a_second_run_on_the_same_folder_stops_naming_the_first(small_shapes, tmp_path):
     out = tmp_path / "run"
-    first = subprocess.Popen([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "40")],
+    first = subprocess.Popen(train_command(*run_flags(small_shapes, out, "--max-steps", "40")),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=subprocess_env())
     try:
         _wait(lambda: len(_steps_logged(out)) >= 1, first)
-        second = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "2")])
+        second = run_train(*run_flags(small_shapes, out, "--max-steps", "2"))
         assert second.returncode == 2
         assert _errors(second.stderr) == [line for line in second.stderr.splitlines() if line.strip()]
         assert f"is in use by another run (pid {first.pid} on" in second.stderr
@@ -83,11 +69,11 @@ def test_a_second_run_on_the_same_folder_stops_naming_the_first(data, tmp_path):
         first.wait()
 
 
-def test_a_rerun_without_resume_sets_the_earlier_run_aside_whole(data, tmp_path):
+def test_a_rerun_without_resume_sets_the_earlier_run_aside_whole(small_shapes, tmp_path):
     out = tmp_path / "run"
-    assert _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "2")]).returncode == 0
+    assert run_train(*run_flags(small_shapes, out, "--max-steps", "2")).returncode == 0
     before = {name: (out / name).read_text() for name in ("config.json", "metrics.jsonl", "eval.jsonl", "summary.json")}
-    again = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "1")])
+    again = run_train(*run_flags(small_shapes, out, "--max-steps", "1"))
     assert again.returncode == 0, again.stderr[-2000:]
     [aside] = out.glob("earlier-*")
     assert {name: (aside / name).read_text() for name in before} == before
@@ -95,67 +81,68 @@ def test_a_rerun_without_resume_sets_the_earlier_run_aside_whole(data, tmp_path)
     assert _steps_logged(out) == [1]
 
 
-def test_folders_and_files_of_the_wrong_kind_and_test_only_without_checkpoint_are_one_line(data, tmp_path):
+def test_folders_and_files_of_the_wrong_kind_and_test_only_without_checkpoint_are_one_line(small_shapes, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "checkpoints").write_text("not a folder")
-    result = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "1")])
+    result = run_train(*run_flags(small_shapes, out, "--max-steps", "1"))
     assert result.returncode == 2 and _errors(result.stderr) == [result.stderr.strip()]
     assert "checkpoints is a file" in result.stderr
     empty = tmp_path / "empty"
-    result = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, empty, "--test-only", "--resume", "auto")])
+    result = run_train(*run_flags(small_shapes, empty, "--test-only", "--resume", "auto"))
     assert result.returncode == 2 and "no checkpoint in" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_resume_applies_a_changed_lr_and_batch_and_says_so(data, tmp_path):
+def test_resume_applies_a_changed_lr_and_batch_and_says_so(small_shapes, tmp_path):
     out = tmp_path / "run"
-    first = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "3", "--lr", "0.002",
-                                                     "--warmup-steps", "0")])
+    first = run_train(*run_flags(small_shapes, out, "--max-steps", "3", "--lr", "0.002",
+                                 "--warmup-steps", "0"))
     assert first.returncode == 0, first.stderr[-2000:]
     # 3 steps of 2 images are 6 images into the 16-image epoch; 3 steps of 1 image land there too
-    resumed = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "5", "--lr", "0.008",
-                                                       "--warmup-steps", "0", "--resume", "auto", "--batch-size", "1")])
+    resumed = run_train(*run_flags(small_shapes, out, "--max-steps", "5", "--lr", "0.008",
+                                   "--warmup-steps", "0", "--resume", "auto", "--batch-size", "1"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "instead of the checkpoint's" in resumed.stderr and "6 images into epoch 0" in resumed.stderr
     rows = read_jsonl(out / "metrics.jsonl")
     saved = json.loads((out / "config.json").read_text())
     assert saved["derived"]["scaled_lr"] == pytest.approx(0.008 * 1 / 8)  # recorded: the lr this run trains with
     assert rows[-1]["lr"] > rows[2]["lr"] * 0.4  # the schedule continues from this run's base lr
-    odd = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, tmp_path / "odd", "--max-steps", "1")])
+    odd = run_train(*run_flags(small_shapes, tmp_path / "odd", "--max-steps", "1"))
     assert odd.returncode == 0
-    refused = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, tmp_path / "odd", "--max-steps", "2", "--resume", "auto",
-                                                       "--batch-size", "3")])
+    refused = run_train(*run_flags(small_shapes, tmp_path / "odd", "--max-steps", "2", "--resume", "auto",
+                                   "--batch-size", "3"))
     assert refused.returncode == 2 and "cannot continue at that place" in refused.stderr
 
 
-def test_end_of_training_ap_equals_test_only_on_the_saved_checkpoint_at_its_own_sizes(data, tmp_path):
+def test_end_of_training_ap_equals_test_only_on_the_saved_checkpoint_at_its_own_sizes(small_shapes, tmp_path):
     out = tmp_path / "run"
-    trained = _run(_torchrun(2, run_flags(data, out, "--max-steps", "4")))
+    trained = run_train(*run_flags(small_shapes, out, "--max-steps", "4"), nproc=2)
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     # the sizes come from the checkpoint (96/128 px), not from this machine's preset (128/192);
     # a dataset with only a val split is enough to score it
     val_only = tmp_path / "val_only"
     (val_only / "annotations").mkdir(parents=True)
-    (val_only / "val2017").symlink_to(data / "val2017")
-    (val_only / "annotations" / "instances_val2017.json").symlink_to(data / "annotations" / "instances_val2017.json")
+    (val_only / "val2017").symlink_to(small_shapes / "val2017")
+    val_json = small_shapes / "annotations" / "instances_val2017.json"
+    (val_only / "annotations" / "instances_val2017.json").symlink_to(val_json)
     flags = ["--data-path", str(val_only), "--output-dir", str(out), "--batch-size", "2", "--workers", "0",
              "--no-progress", "--test-only", "--resume", str(out / "checkpoints" / "last.pt")]
-    scored = _run(_torchrun(2, flags))
+    scored = run_train(*flags, nproc=2)
     assert scored.returncode == 0, scored.stderr[-3000:]
     assert "min_size=96" in scored.stderr and "at step 4" in scored.stderr
     metrics = json.loads(scored.stdout.strip().splitlines()[-1])
     assert {k: round(v, 6) for k, v in metrics.items()} == {k: round(summary[k], 6) for k in metrics}
 
 
-def test_resume_on_another_process_count_continues_at_the_same_place(data, tmp_path):
+def test_resume_on_another_process_count_continues_at_the_same_place(small_shapes, tmp_path):
     """2 processes x 2 images, then 1 process x 4 images: the same images per micro-step, so the
     position carries over exactly; the RNG streams of a 2-rank checkpoint are reseeded on 1 rank."""
     out = tmp_path / "run"
-    first = _run(_torchrun(2, run_flags(data, out, "--max-steps", "2")))
+    first = run_train(*run_flags(small_shapes, out, "--max-steps", "2"), nproc=2)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = _run([PYTHON, str(TRAIN_SCRIPT), *run_flags(data, out, "--max-steps", "3", "--batch-size", "4",
-                                                          "--resume", "auto")])
+    resumed = run_train(*run_flags(small_shapes, out, "--max-steps", "3", "--batch-size", "4",
+                                   "--resume", "auto"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming on 1 processes from a 2-process checkpoint: RNG streams reseeded" in resumed.stderr
     state = ckpt.load(out / "checkpoints" / "last.pt")["state"]
