@@ -90,6 +90,6 @@ __all__ = [
     "launch_measure", "load_suite", "main", "markdown_table", "measure", "measure_worker", "multiscale_sizes",
     "overhead", "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
-    "above", "cached", "describe_cache", "interval", "machine_busy", "predict", "scaling_curve", "spread_text", "timing_row", "versus",
-    "time_to_accuracy",
+    "above", "cached", "describe_cache", "interval", "machine_busy", "projection", "scaling_curve", "spread_text", "timing_row", "versus",
+    "time_to_accuracy", "single_device_speed", "loader_verdict",
 ]

@@ -7,7 +7,8 @@ schedule, `torchrun` with the same process count), evaluating every `eval_every`
 other on the same machine. Training seconds are summed from `metrics.jsonl` (each print window's
 mean step time x its steps: evaluation left out, as it is the same for both); "img/s (wall)" is
 the summary's `monitor.img_per_s_wall`, evaluations and checkpoint saves included. The print
-windows that took over twice the median window are counted apart as compiling (with `--compile-backbone` the first steps compile, and so does every new shape).
+windows that took over twice the median window are counted apart as compiling (with
+`--compile-backbone` the first steps compile, and so does every new shape).
 """
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ Each measured row carries its spread from the measurement itself (`timing_row`, 
 `harness.Measurement.row` uses): the step times (`"step s"`) and their interquartile range as
 img/s (`"img/s lo"`, `"img/s hi"`: `monitor.img_per_s_quartiles`). A cached result's rows with a
 speedup also get the speedup's range against the first row (`"speedup lo"`, `"speedup hi"`:
-this row's low over the baseline's high, and its high over the baseline's low). `interval(row)`, `versus(a, b)` and `spread_text(row)` read them, so prose can say
-"too noisy to tell" when two intervals overlap. The share of the machine's cores that *other*
+this row's low over the baseline's high, and its high over the baseline's low). `interval(row)`,
+`versus(a, b)` and `spread_text(row)` read them, so prose can say "too noisy to tell" when two
+intervals overlap. The share of the machine's cores that *other*
 processes kept busy meanwhile is kept too (`provenance["cache"]["other load"]`; `machine_busy`):
 on a shared machine rows measured one after another meet different loads, which no row's own
 spread shows.
