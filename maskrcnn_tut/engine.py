@@ -109,7 +109,7 @@ def build_optimizer(model: nn.Module, cfg: Run) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=lr)
 
 
-def _ddp_no_sync(model: nn.Module, last_micro_step: bool):
+def ddp_no_sync(model: nn.Module, last_micro_step: bool):
     """Skip DDP's gradient all-reduce on every micro-step but the last one."""
     if last_micro_step or not isinstance(model, nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext()
@@ -146,9 +146,9 @@ def _forward(model, images, targets, device) -> tuple[dict, float]:
     return loss_dict, marks.get("stop", time.perf_counter()) - marks.get("start", called)
 
 
-def _forward_backward(model, images, targets, cfg: Run, device, scaler, accum_steps: int, sync: bool):
+def forward_backward(model, images, targets, cfg: Run, device, scaler, accum_steps: int, sync: bool):
     try:  # DDP reports parameters without gradient in the next step's forward, or in backward
-        with _ddp_no_sync(model, sync):
+        with ddp_no_sync(model, sync):
             with autocast(cfg, device):
                 loss_dict, forward_time = _forward(model, images, targets, device)
             loss = sum(loss_dict.values())  # a dict of tensors: sum its values, not the dict
@@ -197,7 +197,7 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, device, st
         images, targets = next(batches)
         images, targets = to_device(images, targets, device, non_blocking=cfg.pin_memory)
         data_time += time.perf_counter() - t_data
-        loss_dict, seconds = _forward_backward(model, images, targets, cfg, device, scaler, accum, micro == accum - 1)
+        loss_dict, seconds = forward_backward(model, images, targets, cfg, device, scaler, accum, micro == accum - 1)
         forward_time += seconds
         for name, value in loss_dict.items():
             totals[name] = totals.get(name, 0.0) + value.detach().float() / accum

@@ -197,7 +197,7 @@ def _plant_annotation_problems(split: _Split) -> None:
     add(image_id, {**good, "segmentation": {"size": f"{height} {width}", "counts": "abc"}}, ("bad_rle",))
     add(image_id, {**good, "bbox": [10**400, 2.0, 5.0, 5.0]}, ("degenerate_box",))  # too big for a float
     # points far outside the image, and an outline that zigzags across it thousands of times: cheap
-    # here, but of the kind that makes pycocotools segfault or take gigabytes (tests/test_hostile_data.py)
+    # here, but of the kind that makes pycocotools segfault or take gigabytes (tests/core/test_data_clean.py)
     far = [3.0, 2.0, 15.0, 2.0, 15.0, 3.0 * height, 3.0, 12.0]
     zigzag = [v for k in range(2000) for v in (0.5 + (k % 2) * (width - 1), 1.0 + k % 7)]
     add(image_id, {**good, "segmentation": [far]}, ("absurd_polygon",))

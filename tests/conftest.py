@@ -27,10 +27,13 @@ def pytest_addoption(parser):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Mark the chapters `book`; a plain `pytest` keeps only the unit tier."""
+    """Mark the chapters `book` and everything in tests/system `system`; a plain `pytest` keeps only the unit tier."""
+    system = Path(__file__).parent / "system"
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.book)
+        elif item.path.is_relative_to(system):
+            item.add_marker(pytest.mark.system)
     plain = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.markexpr
     if config.getoption("--all") or not plain:
         return

@@ -34,7 +34,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)" | tee "$OUT/versions.txt"
 
 echo "== 1. GPU tests"
-timeout 120 python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu.py -o addopts="" 2>&1 | tee "$OUT/pytest_gpu.txt"
+timeout 120 python3 -m pytest -p no:cacheprovider -q -m gpu tests/gpu/test_gpu.py -o addopts="" 2>&1 | tee "$OUT/pytest_gpu.txt"
 
 echo "== 2. bench --suite gpu"
 timeout 300 python3 -m maskrcnn_tut.lab.bench --suite gpu --max-minutes 4 --results-dir book/results 2>&1 | tee "$OUT/bench_suite.txt"

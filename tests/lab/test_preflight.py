@@ -133,6 +133,7 @@ def test_nvlink_links_by_cuda_index_and_nvml_shut_down_after(swapped_gpus):
     assert gpus.nvlink_links([0, 1], NoDriver()) is None
 
 
+@pytest.mark.system
 def test_allreduce_bandwidth_across_two_gloo_processes():
     rows = processes.launch(communication.allreduce_bandwidth, 2, (0.25, 1.0), 2, backend="gloo", timeout_s=120)
     assert [row["MB"] for row in rows] == [0.25, 1.0]
@@ -177,6 +178,7 @@ def test_classify_stack_reads_both_formats():
     assert (stuck["function"], stuck["file"], stuck["line"]) == ("read_forever", "data.py", 17)
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("tool", ["faulthandler", "py-spy"])
 def test_a_stalled_rank_is_found_from_outside(tool):
     if tool == "py-spy" and preflight.py_spy() is None:

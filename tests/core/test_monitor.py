@@ -139,6 +139,7 @@ def test_dashboard_outside_a_notebook_collects_rows():
     assert not dashboard.live and [r["img_per_s"] for r in dashboard.rows] == [8.0, 8.0, 8.0]
 
 
+@pytest.mark.system
 def test_dashboard_in_a_notebook_leaves_one_static_figure(tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
@@ -305,6 +306,7 @@ def straggler_steps(delays: dict[str, list[float]], steps: int = 6) -> dict:
     return out
 
 
+@pytest.mark.system
 def test_straggler_check_fires_under_ddp_on_the_slowed_rank():
     result = processes.launch(straggler_steps, 2, {"slowed": [0.02, 0.08], "even": [0.02, 0.02]}, backend="gloo")
     slowed, even = result["slowed"], result["even"]

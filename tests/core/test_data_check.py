@@ -110,6 +110,7 @@ def test_decode_failures_in_worker_processes_are_counted_in_the_main_process(tmp
     assert len(_decode_warnings(caplog)) == 1
 
 
+@pytest.mark.system
 def test_check_prints_a_row_for_every_problem_kind(broken):
     out = subprocess.run([PYTHON, "-m", "maskrcnn_tut.data.check", "--data-path", str(broken.root)],
                          capture_output=True, text=True, timeout=120, env=subprocess_env())
@@ -158,6 +159,7 @@ def test_nothing_to_train_on_is_one_line_and_exit_code_2(case, broken, tmp_path,
         CocoDetection(*coco_paths(root, "train"))
 
 
+@pytest.mark.system
 def test_training_stops_before_heavy_work_on_unusable_data(broken, tmp_path):
     root = tmp_path / "data"
     shutil.copytree(broken.root, root)
@@ -171,6 +173,7 @@ def test_training_stops_before_heavy_work_on_unusable_data(broken, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.system
 def test_two_processes_train_on_broken_data_and_log_the_counts(broken, tmp_path):
     cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
            str(TRAIN_SCRIPT), "--data-path", str(broken.root), "--output-dir", str(tmp_path / "run"),

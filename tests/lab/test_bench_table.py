@@ -94,6 +94,7 @@ def test_bench_data_holds_whole_batches_for_every_process():
                           .read_text())["images"]) == bench.BENCH_SHAPES["n_train"]
 
 
+@pytest.mark.system
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU table")
 def test_table_with_eight_processes_on_two_cores():
     """More processes than cores, 5 images each: 40 images per step, more than the 32 the benchmark
@@ -111,6 +112,7 @@ def test_table_with_eight_processes_on_two_cores():
         assert any(f"8 processes share {cores} usable cores" in note for note in result.notes)
 
 
+@pytest.mark.system
 def test_failed_bench_worker_reaches_the_shell_as_one_line():
     """Data of your own with fewer images than one batch: the worker's loader raises, the shell
     user reads one line (the worker's traceback stays in WorkerError.details)."""
@@ -124,6 +126,7 @@ def test_failed_bench_worker_reaches_the_shell_as_one_line():
     assert len(errors) == 1 and "worker 0 failed" in errors[0], done.stderr
 
 
+@pytest.mark.system
 def test_bad_setting_reaches_the_shell_as_one_line():
     command = [sys.executable, "-m", "maskrcnn_tut.lab.bench", "table", "--preset", "cpu-tiny", "--min-size", "-5"]
     done = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=300)

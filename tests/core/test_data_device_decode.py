@@ -86,6 +86,7 @@ def _jpeg_bytes() -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.system
 def test_train_py_runs_with_decode_on_device(jpeg_root, tmp_path):
     import subprocess
 

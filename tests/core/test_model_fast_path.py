@@ -13,7 +13,7 @@ from maskrcnn_tut.model import build_model, compilations, compile_backbone
 
 def _losses(cfg, images, targets, compile_with: str | None = None) -> dict[str, float]:
     torch.manual_seed(0)
-    model = build_model(dataclasses.replace(cfg, compile_backbone=False), 4).train()
+    model = build_model(dataclasses.replace(cfg.settings, compile_backbone=False), 4).train()
     if compile_with:
         compile_backbone(model, "cpu", backend=compile_with)
     torch.manual_seed(1)  # the same RPN/RoI sampling in every variant

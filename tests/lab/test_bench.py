@@ -41,6 +41,7 @@ def test_measure_times_the_training_step_after_warmup():
         bench.measure(cfg, steps=1, warmup=0, shape="square")
 
 
+@pytest.mark.system
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU table")
 def test_table_from_the_shell_writes_json_with_provenance(tmp_path):
     out = tmp_path / "t.json"
@@ -68,6 +69,7 @@ def test_table_from_the_shell_writes_json_with_provenance(tmp_path):
     assert "| setup |" in done.stdout and "Speed table" in done.stdout
 
 
+@pytest.mark.system
 def test_sweep_reports_each_setting_and_what_made_no_difference():
     result = bench.sweep_accum("cpu-tiny", accum_steps=(1, 2), steps=2, warmup=1, **TINY)
     assert [row["setting"] for row in result.rows] == [
@@ -127,6 +129,7 @@ def test_training_seconds_sum_the_windows_and_count_slow_ones_as_compiling():
     assert compiling == pytest.approx(50.0 - 5.5)  # the first window, over a window at the median 0.55 s/step
 
 
+@pytest.mark.system
 def test_time_to_accuracy_runs_each_variant_and_finds_the_first_eval_at_target(shapes_root):
     from maskrcnn_tut.lab.bench.accuracy import time_to_accuracy
 

@@ -14,7 +14,7 @@ from maskrcnn_tut.config import make_config
 from maskrcnn_tut.lab import article, bench, memory, proofs
 from maskrcnn_tut.lab.bench.results import BenchResult
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHAPTERS = ["00_preface", "01_why_multiple_gpus", "02_system_and_setup", "03_dataloader_tuning"]
 
 

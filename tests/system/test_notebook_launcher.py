@@ -92,8 +92,9 @@ def test_launch_from_a_notebook_cell(tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     cells = [
-        "from maskrcnn_tut import distributed as du, proofs\n"
-        "result = processes.launch(proofs.ddp_accumulation_check, 2)\n"
+        "from maskrcnn_tut.lab import proofs\n"
+        "from maskrcnn_tut.lab.processes import launch\n"
+        "result = launch(proofs.ddp_accumulation_check, 2)\n"
         "print('world', result['world_size'], 'diff', result['max_abs_diff'])",
         "import multiprocessing\nprint('children left:', len(multiprocessing.active_children()))",
     ]

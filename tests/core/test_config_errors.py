@@ -108,6 +108,7 @@ def test_cli_rejects_each_bad_setting_with_one_line_and_exit_code_2(shapes_root,
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.system
 def test_the_script_exits_2_with_one_line_and_no_traceback(shapes_root, tmp_path):
     out = subprocess.run([PYTHON, str(TRAIN_SCRIPT), "--data-path", str(shapes_root), "--output-dir",
                           str(tmp_path / "run"), "--accum-steps", "0"],
@@ -116,6 +117,7 @@ def test_the_script_exits_2_with_one_line_and_no_traceback(shapes_root, tmp_path
     assert out.stderr.strip() == "error: --accum-steps must be a positive integer, got 0"
 
 
+@pytest.mark.system
 def test_torchrun_ranks_all_reject_a_bad_setting_once_and_its_summary_names_it(shapes_root, tmp_path):
     cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
            str(TRAIN_SCRIPT), "--data-path", str(shapes_root), "--output-dir", str(tmp_path / "run"),

@@ -106,6 +106,7 @@ def test_gradient_report_sizes_the_gradients():
     assert row["sent per rank, N=4 (MiB)"] == pytest.approx(1.5 * row["gradients MiB"])
 
 
+@pytest.mark.system
 def test_ddp_trace_profiles_real_steps(tmp_path):
     trace = traces.ddp_trace(steps=1, warmup=1, batch_size=1, min_size=64, max_size=96)
     for phase in traces.PHASES:
@@ -175,6 +176,7 @@ def test_missing_zero_grad():
     assert z["engine.train_step"] == pytest.approx(1.0)
 
 
+@pytest.mark.system
 def test_both_launchers_restart_only_one_injects_local_rank():
     launch, torchrun = article.launchers()
     assert launch["arguments the script got"] == "--local-rank=0" and torchrun["arguments the script got"] == "(none)"

@@ -87,6 +87,7 @@ def test_help_explains_every_flag_and_the_reference_batch():
     assert f"global batch of {REFERENCE_BATCH}" in text.replace("\n", " ").replace("  ", " ")
 
 
+@pytest.mark.system
 def test_print_config_shows_the_settings_and_what_the_run_derives_without_training():
     out = subprocess.run([PYTHON, str(TRAIN_SCRIPT), "--print-config", "--preset", "cpu-tiny", "--batch-size", "3",
                           "--accum-steps", "2", "--lr", "0.004"], capture_output=True, text=True, timeout=120,

@@ -31,6 +31,7 @@ def _make_quota_group(name: str, cpus: float) -> tuple[Path, Path]:
     return folder, folder / "cgroup.procs"
 
 
+@pytest.mark.system
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a cgroup needs root (CI and the dev machine are root)")
 def test_usable_cores_honour_a_real_cgroup_cpu_quota():
     try:

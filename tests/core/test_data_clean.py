@@ -170,6 +170,7 @@ def test_files_vanishing_one_by_one_are_summarized_and_stop_when_all_are_gone(tm
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) <= 6  # 5 images, then a summary
 
 
+@pytest.mark.system
 def test_evaluation_counts_and_leaves_out_images_that_fail_to_decode(tmp_path, shapes_root):
     root = _copy(shapes_root, tmp_path)
     dataset = CocoDetection(*coco_paths(root, "val"), train=False)

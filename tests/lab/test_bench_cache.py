@@ -119,6 +119,7 @@ def test_versus_and_above_say_too_noisy_when_ranges_overlap():
     assert bench.spread_text({"speedup": 1.5}) == "1.50x"
 
 
+@pytest.mark.system
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU run of the real table")
 def test_the_real_table_cached_matches_its_measurements(tmp_path):
     first = bench.cached(bench.table, nprocs=1, steps=2, warmup=1, min_size=64, max_size=96, batch_size=2,

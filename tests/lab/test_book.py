@@ -13,7 +13,7 @@ import pytest
 
 from maskrcnn_tut.lab import book
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def sample(x):
@@ -28,7 +28,7 @@ def test_source_listing_shows_from_start_to_stop():
     code = listing.split("```python\n")[1]
     assert code == "    second = first * 2\n    third = second - 3\n```"
     first_line = sample.__code__.co_firstlineno
-    assert listing.startswith(f"`tests/test_book.py`, lines {first_line + 2}-{first_line + 3}:")
+    assert listing.startswith(f"`tests/lab/test_book.py`, lines {first_line + 2}-{first_line + 3}:")
     assert "def sample" in book.source_listing(sample) and "return third" in book.source_listing(sample)
 
 

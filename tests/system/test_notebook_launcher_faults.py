@@ -152,9 +152,9 @@ def test_a_hang_names_the_hung_rank_not_the_one_waiting_for_it():
 
 
 def test_workers_and_their_children_end_when_the_launching_process_is_killed(tmp_path):
-    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_launch_faults as t\n"
-              "from maskrcnn_tut import distributed as du\n"
-              "processes.launch(t.record_pids_then_sleep, 2, sys.argv[2], timeout_s=120)\n")
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_notebook_launcher_faults as t\n"
+              "from maskrcnn_tut.lab.processes import launch\n"
+              "launch(t.record_pids_then_sleep, 2, sys.argv[2], timeout_s=120)\n")
     kernel = subprocess.Popen([PYTHON, "-c", script, str(TESTS), str(tmp_path)], env=subprocess_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     recorded: list[int] = []
