@@ -1,13 +1,11 @@
-"""preflight: /dev/shm, the NCCL variables, all-reduce bandwidth, GPU health (a stand-in NVML), and a
+"""preflight: /dev/shm, the NCCL variables, all-reduce bandwidth, and a
 hang reproduced with one stalled gloo rank, read from outside with faulthandler (and py-spy where
 it is installed)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from maskrcnn_tut.lab import gpus, preflight, processes
+from maskrcnn_tut.lab import preflight, processes
 from maskrcnn_tut.lab.bench import communication
 
 
@@ -30,107 +28,6 @@ def test_nccl_environment_names_what_is_set():
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT"):
         assert name in names
     assert {row["variable"].split("=")[0]: row["set here"] for row in rows}["NCCL_DEBUG"] == "INFO"
-
-
-class FakeNvml:
-    """Two GPUs: one healthy, one with uncorrected ECC errors and thermal throttling, and 4 active
-    NVLink links on the sick one, 0 on the other."""
-
-    NVML_NVLINK_MAX_LINKS = 6
-    NVML_FEATURE_ENABLED = 1
-    NVMLError = RuntimeError
-
-    def __init__(self):
-        self.open = 0
-
-    def nvmlInit(self):
-        self.open += 1
-
-    def nvmlShutdown(self):
-        self.open -= 1
-
-    def nvmlDeviceGetCount(self):
-        return 2
-
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return i
-
-    def nvmlDeviceGetUUID(self, h):
-        return f"GPU-0000000{h}"
-
-    def nvmlDeviceGetPciInfo(self, h):
-        return SimpleNamespace(domain=0, bus=h, device=0)
-
-    def nvmlDeviceGetNvLinkState(self, h, link):
-        if link >= 4:
-            raise RuntimeError("no such link")
-        return int(h == 1)
-
-    def nvmlDeviceGetName(self, h):
-        return b"Fake GPU"
-
-    def nvmlDeviceGetMemoryInfo(self, h):
-        return SimpleNamespace(used=2**30, total=16 * 2**30)
-
-    def nvmlDeviceGetTemperature(self, h, sensor):
-        return 50 if h == 0 else 91
-
-    def nvmlDeviceGetPowerUsage(self, h):
-        return 100_000
-
-    def nvmlDeviceGetEnforcedPowerLimit(self, h):
-        return 300_000
-
-    def nvmlDeviceGetTotalEccErrors(self, h, kind, counter):
-        return 0 if h == 0 else 3
-
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
-        return 0x1 if h == 0 else 0x40
-
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
-        return 4
-
-    def nvmlDeviceGetCurrPcieLinkWidth(self, h):
-        return 16
-
-    def nvmlDeviceGetMaxPcieLinkGeneration(self, h):
-        return 4
-
-    def nvmlDeviceGetMaxPcieLinkWidth(self, h):
-        raise RuntimeError("not supported")
-
-
-@pytest.fixture
-def swapped_gpus(monkeypatch):
-    """CUDA shows NVML's two GPUs in the other order (CUDA_DEVICE_ORDER, CUDA_VISIBLE_DEVICES=1,0)."""
-    monkeypatch.setattr(gpus, "gpu_count", lambda: 2)
-    monkeypatch.setattr(gpus, "cuda_device_ids", lambda index: (f"0000000{1 - index}", (0, 1 - index, 0)))
-
-
-def test_gpu_health_flags_ecc_errors_and_throttling_by_cuda_index(swapped_gpus):
-    nvml = FakeNvml()
-    sick, healthy = gpus.gpu_health(nvml)
-    assert (sick["gpu"], sick["nvml_index"]) == (0, 1) and (healthy["gpu"], healthy["nvml_index"]) == (1, 0)
-    assert healthy["ok"] and healthy["finding"] == "healthy" and healthy["PCIe"] == "gen 4 x16"
-    assert not sick["ok"] and "3 uncorrected ECC errors" in sick["finding"] and "0x40" in sick["finding"]
-    assert "91 °C" in sick["finding"] and nvml.open == 0
-
-
-def test_gpu_health_without_nvidia_is_empty(swapped_gpus):
-    class NoDriver(FakeNvml):
-        def nvmlInit(self):
-            raise RuntimeError("NVML Shared Library Not Found")
-    assert gpus.gpu_health(NoDriver()) == []
-
-
-def test_nvlink_links_by_cuda_index_and_nvml_shut_down_after(swapped_gpus):
-    nvml = FakeNvml()
-    assert gpus.nvlink_links([0, 1], nvml) == [4, 0] and nvml.open == 0
-
-    class NoDriver(FakeNvml):
-        def nvmlInit(self):
-            raise RuntimeError("NVML Shared Library Not Found")
-    assert gpus.nvlink_links([0, 1], NoDriver()) is None
 
 
 @pytest.mark.system
