@@ -30,13 +30,10 @@ import torch
 
 from .. import distributed as du
 from ..config import Config, default_preset, make_config
-from ..data.shapes import ensure_shapes_dataset
 from .bench import markdown_table
 from .machine import hardware, hardware_label
-from .rig import shapes_config
+from .rig import shapes_config, shapes_dataset
 
-#: The book's dataset: big enough for a few epochs of short runs, small enough to write in seconds.
-BOOK_SHAPES = {"n_train": 128, "n_val": 32, "seed": 0}
 #: Images in COCO train2017, the dataset behind the usual Mask R-CNN schedules.
 COCO_TRAIN_IMAGES = 118_287
 #: The article's speed table (「モニタリングとベンチマーク分析」), quoted as published: its GPUs, its figures.
@@ -91,7 +88,7 @@ def version_pins(requirements: Path | str | None = None) -> list[dict[str, Any]]
 
 def shapes_data() -> Path:
     """The book's shapes dataset (written once into the cache, then reused by every chapter)."""
-    return ensure_shapes_dataset(**BOOK_SHAPES, progress=False)
+    return shapes_dataset("book")
 
 
 def book_config(preset: str | None = None, **overrides) -> Config:

@@ -43,8 +43,8 @@ from ..engine import (
 from ..model import build_model
 from .synthetic import synthetic_batch
 
-#: Named sizes of the shapes dataset the lab trains on: the book's chapters, and the benchmarks'
-#: (small, so that an epoch is a few steps and the loader sweep crosses epochs).
+#: Named sizes of the shapes dataset the lab trains on: the book's chapters (a few epochs of short
+#: runs, written in seconds), and the benchmarks' (small, so that the loader sweep crosses epochs).
 SHAPES_SIZES = {"book": {"n_train": 128, "n_val": 32, "seed": 0},
                 "bench": {"n_train": 32, "n_val": 8, "seed": 0}}
 #: The shapes data holds at least this many optimizer steps of images per process and epoch.

@@ -10,10 +10,14 @@ a verdict from `wording`; the chapter keeps only its sentences. Nothing here mea
 - `paper_bound(paper, devices, link)`, `article_bounds(paper, efficiencies)`, `first_inefficient(paper)`:
   scaling on paper for the article's GPU (chapter 8).
 - `straggler_answer(per_process, threshold)`: one more image on one process (chapter 9).
+- `table_verdicts(speed)`: sentences about a speed table, as far as its spread allows (chapters 4, 8, 9).
 """
 from __future__ import annotations
 
-from .bench import above, interval
+from . import wording
+from .bench import above, interval, machine_busy, spread_text
+from .bench.projection import devices_used
+from .bench.results import row_label
 from .wording import FASTER, NO_SPREAD, SLOWER, WITHIN_NOISE
 
 #: The verdict of a scaling figure measured while other work kept the machine busy.
@@ -96,3 +100,74 @@ def straggler_answer(per_process: int, threshold: float) -> dict:
     theirs if it grows with the images, and whether that crosses StragglerCheck's threshold."""
     ratio = (per_process + 1) / per_process
     return {"ratio": ratio, "warns": ratio > threshold}
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.0f} %"
+
+
+def table_verdicts(speed) -> dict[str, str]:
+    """Sentences about a `bench.table` result that hold only as far as its spread allows: the DDP
+    speedup, DDP against the same processes without the all-reduce (CPU), against one process with
+    all the threads (CPU) and against DataParallel at the same N (GPUs); memory per device and in
+    all. Each comparison is a `wording` verdict; on a busy machine no two rows are comparable."""
+    measured = [row for row in speed.rows if row.get("img/s") is not None]
+    base, ddp = measured[0], speed.row("DDP")
+    out = {"result": "", "allreduce": "", "threads": "", "dp": "", "memory": "", "busy": machine_busy(speed)}
+
+    def verdict(a, b) -> str:
+        found = wording.compare(a, b).verdict
+        return WITHIN_NOISE if out["busy"] and found != NO_SPREAD else found
+
+    if ddp is None:
+        out["result"] = ("This machine has a single device, so its table has no DDP row (DDP needs at least two) and "
+                         "no speedup to set beside the article's.")
+    else:
+        out["result"] = (f"Here {ddp['setup']} reached {spread_text(ddp)} the speed of {base['setup']}, a scaling "
+                         f"efficiency of {_pct(ddp['scaling efficiency'])}.")
+        n = devices_used(ddp)
+        if wording.compare_to(ddp, 1.0).verdict == WITHIN_NOISE:
+            out["result"] += f" Its range includes 1x: whether DDP was faster at all is {wording.words(WITHIN_NOISE)}."
+        elif (wording.compare_to(ddp, float(n)).verdict == FASTER
+              or (interval(ddp, "speedup") is None and ddp["speedup"] > 1.02 * n)):
+            out["result"] += (f" That is more than {n} devices' worth, which the same work split {n} ways cannot do: "
+                              "the rows ran at different moments of a machine busy with other work (the baseline at "
+                              "a slow one), so this table cannot tell how DDP scales here.")
+    if out["busy"]:
+        out["result"] = (out["result"] + " " + out["busy"]).strip()
+    ceiling = speed.row(f"{devices_used(ddp)} processes without") if ddp else None
+    if ddp and ceiling:
+        gap = 1 - ddp["img/s"] / ceiling["img/s"]
+        said = f"The same processes without the gradient all-reduce reached {spread_text(ceiling)}"
+        out["allreduce"] = said + wording.pick(
+            verdict(ddp, ceiling),
+            within_noise=": " + ("measured on a busy machine, so what the all-reduce cost cannot be told." if out["busy"]
+                                 else f"{wording.noise()}, so the all-reduce cost nothing measurable here."),
+            slower=f": DDP's whole range lies below, so here the all-reduce cost about {_pct(gap)} of the speed.",
+            faster=", below DDP's range, which only noise can do (skipping work cannot be slower).",
+            no_spread=f" ({_pct(gap)} more than DDP; no spread was recorded, so whether that is noise cannot be told).")
+    threads = [row for row in measured if (row.get("threads/process") or 0) > (base.get("threads/process") or 0)
+               and row.get("processes") == 1]
+    if ddp and threads:
+        other = max(threads, key=lambda row: row["threads/process"])
+        out["threads"] = (f"One process with {other['threads/process']} threads reached {spread_text(other)}: "
+                          + wording.pick(verdict(ddp, other),
+                                         faster="DDP's processes beat the same cores used as threads of one process.",
+                                         slower="faster than DDP's processes here.",
+                                         within_noise=f"{wording.words(WITHIN_NOISE, 'DDP')}.",
+                                         no_spread="compare it with DDP's figure (no spread recorded)."))
+    dp = speed.row("DP")
+    if dp is None:
+        unmeasured = next((row for row in speed.rows if row_label(row).startswith("DP")), None)
+        out["dp"] = ("There is no DP row: " + (unmeasured or {}).get("note", "DataParallel was not measured") +
+                     ". DataParallel drives several GPUs from one process, so it needs at least two.")
+    elif ddp:
+        out["dp"] = (f"At the same {devices_used(ddp)} GPUs, DataParallel reached {spread_text(dp)} and DDP "
+                     f"{spread_text(ddp)}: " + wording.pick(verdict(ddp, dp),
+                                                            faster="DDP was faster, with the method the only difference.",
+                                                            slower="DataParallel was faster here.",
+                                                            within_noise=f"{wording.noise()}.",
+                                                            no_spread="no spread was recorded."))
+    out["memory"] = "; ".join(f"{row['setup']}: {row['peak MiB/device']:.0f} MiB per device, {row['total MiB']:.0f} "
+                              "MiB in all" for row in measured)
+    return out

@@ -17,13 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import wording
-from .bench import NO_DIFFERENCE, loader_verdict, machine_busy, timing_row, versus
+from .bench import NO_DIFFERENCE, machine_busy, timing_row, versus
 from .wording import FASTER, NO_SPREAD, SLOWER, WITHIN_NOISE, Comparison
 
 #: The loader sweep's verdict when workers gained more than the data share of a step allows.
 TOO_LARGE = "too large"
-_LOADER_VERDICTS = {"faster": FASTER, "slower": SLOWER, "too noisy to tell": WITHIN_NOISE,
-                    "more than the loader could save": TOO_LARGE}
 
 
 def _measured(result) -> list[dict]:
@@ -34,22 +32,40 @@ def _measured(result) -> list[dict]:
 
 
 def loader(sweep) -> dict:
-    """`bench.loader_verdict` in `wording`'s verdicts (or `TOO_LARGE`), plus what the chapter's
-    answers read: `compute_slowed` (the slowest setting computed longer beyond the spread), the
+    """What the loader sweep says about worker processes here.
+
+    `bound`: the share of a step that workers=0 spends waiting for its batch, the most any number
+    of workers can save. `best` / `worst`: the fastest and slowest setting with workers, at
+    `ratio` / `worst ratio` of workers=0's img/s; `verdict` for the best one, from `wording`
+    (without a spread, within `NO_DIFFERENCE` is within noise), or `TOO_LARGE` when it is faster by
+    more than `bound` allows (then something else, such as other work on the machine, moved the
+    figures). Also what the chapter's answers read: `compute change` (the slowest setting's compute
+    per step against workers=0's), `compute_slowed` (that growth beyond the spread), the
     epoch-start waits with and without persistent workers, and the compute trend up to the most
     workers (`trend`: SLOWER when compute grew beyond workers=0's spread, FASTER when it shrank)."""
-    found = loader_verdict(sweep)
-    base, worst = found["base"], found["worst"]
-    verdict = _LOADER_VERDICTS[found["verdict"]]
     rows = _measured(sweep)
+    base = next(row for row in rows if row["knobs"]["workers"] == 0)
+    with_workers = [row for row in rows if row["knobs"]["workers"] > 0]
+    best = max(with_workers, key=lambda row: row["img/s"])
+    worst = min(with_workers, key=lambda row: row["img/s"])
+    found = wording.compare(best, base)
+    verdict = found.verdict
+    if verdict == NO_SPREAD:
+        verdict = wording.compare_figures(best["img/s"], base["img/s"], NO_DIFFERENCE).verdict
+    bound = base["data ms"] / (base["data ms"] + base["compute ms"])
+    if verdict == FASTER and found.ratio - 1 > bound + NO_DIFFERENCE:
+        verdict = TOO_LARGE
+    compute_change = worst["compute ms"] / base["compute ms"] - 1
     restart = {row["knobs"]["persistent_workers"]: row.get("epoch-start data ms") for row in rows
                if row["knobs"]["workers"] == 1}
     most = max(rows, key=lambda row: row["knobs"]["workers"])
     change = most["compute ms"] / base["compute ms"] - 1
     spread = (base["img/s hi"] - base["img/s lo"]) / base["img/s"] if base.get("img/s hi") else NO_DIFFERENCE
     trend = WITHIN_NOISE if abs(change) <= spread else SLOWER if change > 0 else FASTER
-    return {**found, "verdict": verdict,
-            "compute_slowed": (found["compute change"] > NO_DIFFERENCE and verdict != TOO_LARGE
+    return {"base": base, "best": best, "worst": worst, "ratio": found.ratio,
+            "worst ratio": worst["img/s"] / base["img/s"], "bound": bound, "verdict": verdict,
+            "compute change": compute_change,
+            "compute_slowed": (compute_change > NO_DIFFERENCE and verdict != TOO_LARGE
                                and versus(worst, base) == -1),
             "epoch start ms": (restart.get(False), restart.get(True)) if None not in (restart.get(False),
                                                                                restart.get(True)) else None,

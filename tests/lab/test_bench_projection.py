@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from maskrcnn_tut.lab import book
-from maskrcnn_tut.lab.bench import projection as predict
+from maskrcnn_tut.lab.bench import projection
 from maskrcnn_tut.lab.bench.results import BenchResult
 
 
 def test_the_article_table_taken_apart():
-    a = predict.article_arithmetic(book.ARTICLE_SPEED_TABLE, book.COCO_TRAIN_IMAGES)
+    a = projection.article_arithmetic(book.ARTICLE_SPEED_TABLE, book.COCO_TRAIN_IMAGES)
     assert [round(100 * e) for e in a["efficiencies"]] == [94, 94]  # 9.8/(2x5.2), 19.5/(4x5.2)
     assert [round(g, 1) for g in a["GB per device"]] == [10.8, 10.2, 10.1]  # 20.5/2, 40.2/4
-    assert round(100 * a["card share"]) == 98 and a["card share"] > predict.ARTICLE_MEMORY_RULE
+    assert round(100 * a["card share"]) == 98 and a["card share"] > projection.ARTICLE_MEMORY_RULE
     days = a["schedule days"]
     assert round(days["the 1x schedule"]) == 3 and round(days["torchvision's reference recipe"]) == 7
     assert a["confounded"] is True and a["device counts"] == [2, 4]
@@ -21,16 +21,16 @@ def test_the_article_table_taken_apart():
 
 
 def test_ring_allreduce_moves_2_n_minus_1_over_n():
-    assert predict.ring_allreduce_bytes(100.0, 1) == 0
-    assert predict.ring_allreduce_bytes(100.0, 2) == 100.0
-    assert predict.ring_allreduce_bytes(100.0, 4) == 150.0
-    assert predict.ring_allreduce_bytes(100.0, 64) == pytest.approx(196.875)
-    assert predict.bus_bandwidth_gbps(1e9, 2, 0.1) == pytest.approx(10.0)
-    assert predict.link_gbps(8, 300, 25) == 300 and predict.link_gbps(16, 300, 25) == 25
+    assert projection.ring_allreduce_bytes(100.0, 1) == 0
+    assert projection.ring_allreduce_bytes(100.0, 2) == 100.0
+    assert projection.ring_allreduce_bytes(100.0, 4) == 150.0
+    assert projection.ring_allreduce_bytes(100.0, 64) == pytest.approx(196.875)
+    assert projection.bus_bandwidth_gbps(1e9, 2, 0.1) == pytest.approx(10.0)
+    assert projection.link_gbps(8, 300, 25) == 300 and projection.link_gbps(16, 300, 25) == 25
 
 
 def test_the_predicted_bounds():
-    rows = predict.predict(0.1, 200e6, counts=(1, 2, 8, 64), links={"slow": (1.0, 1.0)}, backward_share=0.5)
+    rows = projection.predict(0.1, 200e6, counts=(1, 2, 8, 64), links={"slow": (1.0, 1.0)}, backward_share=0.5)
     by_n = {row["devices"]: row for row in rows}
     assert by_n[1]["speedup overlapped"] == by_n[1]["speedup not overlapped"] == 1
     # N=2 over 1 GB/s: 200 MB in 0.2 s; 0.05 s of it hides behind backward
@@ -39,7 +39,7 @@ def test_the_predicted_bounds():
     assert by_n[2]["speedup overlapped"] == pytest.approx(2 * 0.1 / 0.25)
     for row in rows:
         assert row["speedup not overlapped"] <= row["speedup overlapped"] <= row["devices"]
-    fast = predict.predict(0.1, 1e6, counts=(8,), links={"fast": (300.0, 50.0)})[0]
+    fast = projection.predict(0.1, 1e6, counts=(8,), links={"fast": (300.0, 50.0)})[0]
     assert fast["speedup overlapped"] == 8  # hidden completely
 
 
@@ -54,15 +54,15 @@ def test_the_measured_curve_fills_the_powers_of_two_between(monkeypatch):
 
     def fake_cached(fn, *args, **kwargs):
         asked.append((fn.__name__, args))
-        if fn is predict.table:
+        if fn is projection.table:
             rows = [_row("Single GPU", 10.0, 1.0, 1), {"setup": "DP(8)", "img/s": 50.0, "speedup": 5.0,
                     "scaling efficiency": 5 / 8}, _row("DDP(8)", 70.0, 7.0, 8)]
             return BenchResult("table", "t", rows, [], [], {"hardware": "8x GPU"})
         n = args[0]
         return BenchResult("ddp_point", "p", [_row(f"DDP({n})", 9.5 * n, 0.95 * n, n)], [], [], {})
 
-    monkeypatch.setattr(predict, "cached", fake_cached)
-    curve = predict.scaling_curve(steps=16, warmup=3)
+    monkeypatch.setattr(projection, "cached", fake_cached)
+    curve = projection.scaling_curve(steps=16, warmup=3)
     assert [row["devices"] for row in curve.rows] == [1, 2, 4, 8]
     assert asked == [("table", ()), ("ddp_point", (2,)), ("ddp_point", (4,))]
     four = curve.rows[2]
@@ -73,8 +73,8 @@ def test_the_measured_curve_fills_the_powers_of_two_between(monkeypatch):
 def test_a_cpu_curve_is_the_table_alone(monkeypatch):
     rows = [_row("Single (1 process x 1 thread)", 4.0, 1.0, 1), _row("Single (1 process x 2 threads)", 5.0, 1.25, 2),
             {"setup": "DP(2)", "note": "needs GPUs"}, _row("DDP(2) (2 processes x 1 thread)", 7.4, 1.85, 2)]
-    monkeypatch.setattr(predict, "cached", lambda fn, *a, **k: BenchResult("table", "t", rows, [], [], {}))
-    curve = predict.scaling_curve()
+    monkeypatch.setattr(projection, "cached", lambda fn, *a, **k: BenchResult("table", "t", rows, [], [], {}))
+    curve = projection.scaling_curve()
     assert [(row["devices"], row["setup"][:6]) for row in curve.rows] == [(1, "Single"), (2, "DDP(2)")]
 
 
@@ -83,68 +83,9 @@ def test_the_plot_draws_everything(monkeypatch):
     matplotlib.use("Agg")
     rows = [_row("Single", 4.0, 1.0, 1), _row("DDP(2)", 7.4, 1.85, 2)]
     curve = BenchResult("scaling", "s", [dict(r, devices=d) for r, d in zip(rows, (1, 2))], [], [], {"hardware": "cpu"})
-    paper = predict.predict(0.4, 178e6)
-    fig = predict.plot_scaling(curve, paper, "title", book.ARTICLE_SPEED_TABLE)
+    paper = projection.predict(0.4, 178e6)
+    fig = projection.plot_scaling(curve, paper, "title", book.ARTICLE_SPEED_TABLE)
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert any("measured here" in label for label in labels) and any("NVIDIA" in label for label in labels)
-    assert sum("on paper" in label for label in labels) == len(predict.LINKS)
+    assert sum("on paper" in label for label in labels) == len(projection.LINKS)
     assert fig.axes[0].get_ylabel().startswith("scaling efficiency")
-
-
-def _spread(row, lo, hi):
-    return {**row, "speedup lo": lo, "speedup hi": hi, "img/s lo": row["img/s"] * lo / row["speedup"],
-            "img/s hi": row["img/s"] * hi / row["speedup"]}
-
-
-def _measured(setup, speedup, devices, threads=None, processes=1):
-    return {"setup": setup, "processes": processes, "threads/process": threads, "img/s": 4.0 * speedup,
-            "speedup": speedup, "scaling efficiency": speedup / devices, "peak MiB/device": 1000.0,
-            "total MiB": 1000.0 * processes}
-
-
-def _cpu_table(ddp_range, ceiling_range):
-    rows = [_spread(_measured("Single (1 process x 1 thread)", 1.0, 1, 1), 1.0, 1.0),
-            _spread(_measured("Single (1 process x 2 threads)", 1.3, 2, 2), 1.2, 1.4),
-            {"setup": "DP(2)", "processes": 1, "note": "DataParallel needs >= 2 GPUs; this machine has 0"},
-            _spread(_measured("DDP(2) (2 processes x 1 thread)", 1.8, 2, 1, 2), *ddp_range),
-            _spread(_measured("2 processes without gradient all-reduce", 1.9, 2, 1, 2), *ceiling_range)]
-    return BenchResult("table", "t", rows, [], [], {})
-
-
-def test_verdicts_say_too_noisy_when_the_ranges_overlap():
-    noisy = predict.table_verdicts(_cpu_table((1.6, 2.0), (1.7, 2.0)))
-    assert noisy["result"] == ("Here DDP(2) (2 processes x 1 thread) reached 1.80x (IQR 1.60-2.00x) the speed of "
-                               "Single (1 process x 1 thread), a scaling efficiency of 90 %.")
-    assert "cost nothing measurable here (too noisy to tell it from zero)" in noisy["allreduce"]
-    assert "DDP's processes beat" in noisy["threads"]
-    assert noisy["dp"].startswith("There is no DP row: DataParallel needs >= 2 GPUs")
-    assert "DDP(2) (2 processes x 1 thread): 1000 MiB per device, 2000 MiB in all" in noisy["memory"]
-    clear = predict.table_verdicts(_cpu_table((1.75, 1.82), (1.88, 1.95)))
-    assert "whole range lies below, so here the all-reduce cost about 5 %" in clear["allreduce"]
-    flat = predict.table_verdicts(_cpu_table((0.9, 1.5), (1.7, 2.0)))
-    assert "too noisy to tell whether DDP was faster at all" in flat["result"]
-    superlinear = predict.table_verdicts(_cpu_table((2.1, 2.6), (1.7, 2.0)))
-    assert "more than 2 devices' worth" in superlinear["result"] and "too noisy to tell how DDP scales" in \
-        superlinear["result"]
-
-
-def test_verdicts_on_one_and_eight_gpus():
-    one = BenchResult("table", "t", [_measured("Single GPU", 1.0, 1), {"setup": "DP", "note": "DataParallel needs "
-                      ">= 2 GPUs; this machine has 1"}, {"setup": "DDP", "note": "DDP needs >= 2 GPUs"}], [], [], {})
-    verdicts = predict.table_verdicts(one)
-    assert "single device" in verdicts["result"] and verdicts["allreduce"] == "" and verdicts["threads"] == ""
-    eight = BenchResult("table", "t", [_spread(_measured("Single GPU", 1.0, 1), 1.0, 1.0),
-                                       _spread(_measured("DP(8)", 5.0, 8), 4.6, 5.3),
-                                       _spread(_measured("DDP(8)", 7.2, 8, processes=8), 7.0, 7.4)], [], [], {})
-    verdicts = predict.table_verdicts(eight)
-    assert verdicts["dp"].startswith("At the same 8 GPUs, DataParallel reached 5.00x")
-    assert verdicts["dp"].endswith("DDP was faster, with the method the only difference.")
-
-
-def test_a_busy_machine_makes_every_comparison_too_noisy():
-    table = _cpu_table((1.75, 1.82), (1.88, 1.95))
-    table.provenance = {"cache": {"other load": 0.7}}
-    verdicts = predict.table_verdicts(table)
-    assert "70% of this machine's cores busy" in verdicts["result"]
-    assert "measured on a busy machine, too noisy to tell what the all-reduce cost" in verdicts["allreduce"]
-    assert verdicts["threads"].endswith("too noisy to tell it from DDP.")

@@ -12,7 +12,6 @@ import yaml
 
 from maskrcnn_tut.config import make_config
 from maskrcnn_tut.lab import article, bench, memory, proofs
-from maskrcnn_tut.lab.bench.results import BenchResult
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTERS = ["00_preface", "01_why_multiple_gpus", "02_system_and_setup", "03_dataloader_tuning"]
@@ -121,7 +120,7 @@ def test_the_articles_own_arithmetic():
     assert high == pytest.approx(bench.projection.coco_days(1.0, 26, 118_287), rel=1e-2)
 
 
-# --------------------------------------------------------------------------- set_epoch and the loader verdict
+# --------------------------------------------------------------------------- set_epoch
 
 
 def test_set_epoch_changes_the_order_and_ranks_do_not_overlap(shapes_root):
@@ -132,33 +131,6 @@ def test_set_epoch_changes_the_order_and_ranks_do_not_overlap(shapes_root):
     assert with_it[1] != with_it[0]
     rank1 = proofs.first_batches(cfg, set_epoch=True, rank=1)
     assert not set(rank1[0]) & set(with_it[0])
-
-
-def _sweep(rows: list[dict]) -> BenchResult:
-    return BenchResult("loader", "t", rows, [])
-
-
-def _row(workers: int, img_s: float, compute_ms: float, spread: float | None = None) -> dict:
-    row = {"setting": f"workers={workers}", "img/s": img_s, "data ms": 10.0, "compute ms": compute_ms,
-           "knobs": {"workers": workers, "persistent_workers": False}}
-    if spread is not None:
-        row["img/s lo"], row["img/s hi"] = img_s * (1 - spread), img_s * (1 + spread)
-    return row
-
-
-def test_loader_verdict():
-    slower = bench.loader_verdict(_sweep([_row(0, 10.0, 90.0, 0.02), _row(1, 8.0, 120.0, 0.02)]))
-    assert slower["verdict"] == "slower" and slower["ratio"] == pytest.approx(0.8)
-    assert slower["bound"] == pytest.approx(0.1) and slower["compute change"] == pytest.approx(1 / 3)
-    noisy = bench.loader_verdict(_sweep([_row(0, 10.0, 90.0, 0.2), _row(1, 11.0, 90.0, 0.2)]))
-    assert noisy["verdict"] == "too noisy to tell"
-    # without a spread: the sweeps' no-difference threshold decides
-    flat = bench.loader_verdict(_sweep([_row(0, 10.0, 90.0), _row(2, 10.0 * (1 + bench.NO_DIFFERENCE / 2), 90.0)]))
-    assert flat["verdict"] == "too noisy to tell"
-    # data is 10 ms of a 100 ms step: workers can save at most 10 %
-    assert bench.loader_verdict(_sweep([_row(0, 10.0, 90.0), _row(2, 11.0, 90.0)]))["verdict"] == "faster"
-    assert (bench.loader_verdict(_sweep([_row(0, 10.0, 90.0), _row(2, 13.0, 90.0)]))["verdict"]
-            == "more than the loader could save")
 
 
 # --------------------------------------------------------------------------- setup table and book config

@@ -90,6 +90,33 @@ def test_loader_finding_maps_verdicts_and_reads_the_answers():
     assert too_large["trend"] == FASTER  # compute shrank beyond the no-difference threshold
 
 
+def _sweep(rows: list[dict]) -> BenchResult:
+    return BenchResult("loader", "t", rows, [])
+
+
+def _row(workers: int, img_s: float, compute_ms: float, spread: float | None = None) -> dict:
+    row = {"setting": f"workers={workers}", "img/s": img_s, "data ms": 10.0, "compute ms": compute_ms,
+           "knobs": {"workers": workers, "persistent_workers": False}}
+    if spread is not None:
+        row["img/s lo"], row["img/s hi"] = img_s * (1 - spread), img_s * (1 + spread)
+    return row
+
+
+def test_loader_verdict_bounds_what_workers_can_save():
+    slower = speed_findings.loader(_sweep([_row(0, 10.0, 90.0, 0.02), _row(1, 8.0, 120.0, 0.02)]))
+    assert slower["verdict"] == SLOWER and slower["ratio"] == pytest.approx(0.8)
+    assert slower["bound"] == pytest.approx(0.1) and slower["compute change"] == pytest.approx(1 / 3)
+    noisy = speed_findings.loader(_sweep([_row(0, 10.0, 90.0, 0.2), _row(1, 11.0, 90.0, 0.2)]))
+    assert noisy["verdict"] == WITHIN_NOISE
+    # without a spread: the sweeps' no-difference threshold decides
+    flat = speed_findings.loader(_sweep([_row(0, 10.0, 90.0), _row(2, 10.0 * (1 + NO_DIFFERENCE / 2), 90.0)]))
+    assert flat["verdict"] == WITHIN_NOISE
+    # data is 10 ms of a 100 ms step: workers can save at most 10 %
+    assert speed_findings.loader(_sweep([_row(0, 10.0, 90.0), _row(2, 11.0, 90.0)]))["verdict"] == FASTER
+    assert (speed_findings.loader(_sweep([_row(0, 10.0, 90.0), _row(2, 13.0, 90.0)]))["verdict"]
+            == speed_findings.TOO_LARGE)
+
+
 # --------------------------------------------------------------------------- chapter 4
 
 
@@ -278,3 +305,66 @@ def test_article_bounds_and_the_first_inefficient_row():
 def test_straggler_answer():
     assert scale_findings.straggler_answer(2, 1.2) == {"ratio": 1.5, "warns": True}
     assert scale_findings.straggler_answer(8, 1.2) == {"ratio": 1.125, "warns": False}
+
+
+# --------------------------------------------------------------------------- a speed table's sentences
+
+
+def _spread(row, lo, hi):
+    return {**row, "speedup lo": lo, "speedup hi": hi, "img/s lo": row["img/s"] * lo / row["speedup"],
+            "img/s hi": row["img/s"] * hi / row["speedup"]}
+
+
+def _measured(setup, speedup, devices, threads=None, processes=1):
+    return {"setup": setup, "processes": processes, "threads/process": threads, "img/s": 4.0 * speedup,
+            "speedup": speedup, "scaling efficiency": speedup / devices, "peak MiB/device": 1000.0,
+            "total MiB": 1000.0 * processes}
+
+
+def _cpu_table(ddp_range, ceiling_range):
+    rows = [_spread(_measured("Single (1 process x 1 thread)", 1.0, 1, 1), 1.0, 1.0),
+            _spread(_measured("Single (1 process x 2 threads)", 1.3, 2, 2), 1.2, 1.4),
+            {"setup": "DP(2)", "processes": 1, "note": "DataParallel needs >= 2 GPUs; this machine has 0"},
+            _spread(_measured("DDP(2) (2 processes x 1 thread)", 1.8, 2, 1, 2), *ddp_range),
+            _spread(_measured("2 processes without gradient all-reduce", 1.9, 2, 1, 2), *ceiling_range)]
+    return BenchResult("table", "t", rows, [], [], {})
+
+
+def test_table_verdicts_say_within_noise_when_the_ranges_overlap():
+    noisy = scale_findings.table_verdicts(_cpu_table((1.6, 2.0), (1.7, 2.0)))
+    assert noisy["result"] == ("Here DDP(2) (2 processes x 1 thread) reached 1.80x (IQR 1.60-2.00x) the speed of "
+                               "Single (1 process x 1 thread), a scaling efficiency of 90 %.")
+    assert noisy["allreduce"].endswith(": the ranges overlap, too noisy to tell apart, so the all-reduce cost "
+                                    "nothing measurable here.")
+    assert "DDP's processes beat" in noisy["threads"]
+    assert noisy["dp"].startswith("There is no DP row: DataParallel needs >= 2 GPUs")
+    assert "DDP(2) (2 processes x 1 thread): 1000 MiB per device, 2000 MiB in all" in noisy["memory"]
+    clear = scale_findings.table_verdicts(_cpu_table((1.75, 1.82), (1.88, 1.95)))
+    assert "whole range lies below, so here the all-reduce cost about 5 %" in clear["allreduce"]
+    flat = scale_findings.table_verdicts(_cpu_table((0.9, 1.5), (1.7, 2.0)))
+    assert "Its range includes 1x: whether DDP was faster at all is within noise" in flat["result"]
+    superlinear = scale_findings.table_verdicts(_cpu_table((2.1, 2.6), (1.7, 2.0)))
+    assert "more than 2 devices' worth" in superlinear["result"] and "cannot tell how DDP scales" in \
+        superlinear["result"]
+
+
+def test_table_verdicts_on_one_and_eight_gpus():
+    one = BenchResult("table", "t", [_measured("Single GPU", 1.0, 1), {"setup": "DP", "note": "DataParallel needs "
+                      ">= 2 GPUs; this machine has 1"}, {"setup": "DDP", "note": "DDP needs >= 2 GPUs"}], [], [], {})
+    verdicts = scale_findings.table_verdicts(one)
+    assert "single device" in verdicts["result"] and verdicts["allreduce"] == "" and verdicts["threads"] == ""
+    eight = BenchResult("table", "t", [_spread(_measured("Single GPU", 1.0, 1), 1.0, 1.0),
+                                       _spread(_measured("DP(8)", 5.0, 8), 4.6, 5.3),
+                                       _spread(_measured("DDP(8)", 7.2, 8, processes=8), 7.0, 7.4)], [], [], {})
+    verdicts = scale_findings.table_verdicts(eight)
+    assert verdicts["dp"].startswith("At the same 8 GPUs, DataParallel reached 5.00x")
+    assert verdicts["dp"].endswith("DDP was faster, with the method the only difference.")
+
+
+def test_a_busy_machine_makes_every_table_comparison_within_noise():
+    table = _cpu_table((1.75, 1.82), (1.88, 1.95))
+    table.provenance = {"cache": {"other load": 0.7}}
+    verdicts = scale_findings.table_verdicts(table)
+    assert "70% of this machine's cores busy" in verdicts["result"]
+    assert "measured on a busy machine, so what the all-reduce cost cannot be told" in verdicts["allreduce"]
+    assert verdicts["threads"].endswith("within noise of DDP: the ranges overlap, too noisy to tell apart.")

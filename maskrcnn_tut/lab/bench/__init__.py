@@ -37,7 +37,7 @@ plots and files), `scaling` (the speed table, `table`), `sweeps`, `gpu` (the GPU
 `cache` (`cached(fn, **args)`: each figure measured once per hardware and code, with its spread),
 `projection` (the article's table taken apart, scaling on paper, `scaling_curve`, days for COCO),
 `coco_scale` (start-up time and memory at COCO scale). `single_device_speed()` is one device's
-speed (chapter 1); `loader_verdict(sweep)` reads the loader sweep (chapter 3).
+speed (chapter 1).
 """
 from . import projection
 from .accuracy import time_to_accuracy
@@ -74,7 +74,6 @@ from .sweeps import (
     SWEEP_COLUMNS,
     SWEEPS,
     knob_note,
-    loader_verdict,
     sweep_accum,
     sweep_amp,
     sweep_channels_last,
@@ -91,5 +90,5 @@ __all__ = [
     "overhead", "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
     "above", "cached", "describe_cache", "interval", "machine_busy", "projection", "scaling_curve", "spread_text", "timing_row", "versus",
-    "time_to_accuracy", "single_device_speed", "loader_verdict",
+    "time_to_accuracy", "single_device_speed",
 ]

@@ -10,8 +10,6 @@ curve this machine measures (1, 2, 4, ... devices) and the curve a ring all-redu
   not hidden at all (its worst): two bounds, weak scaling (the same batch per device).
 - `scaling_curve(...)`: the measured curve: `bench.table`'s 1 and N devices (through the cache)
   and DDP at every power of two between them.
-- `table_verdicts(speed)`: sentences about a speed table that say "too noisy to tell" where its
-  rows' ranges overlap.
 - `plot_scaling(...)`: measured points with their spread, the predicted bounds, the article's and
   NVIDIA's published points.
 
@@ -31,10 +29,9 @@ import torch
 from ...errors import BenchError
 from ...hardware import usable_cores
 from ..machine import provenance
-from .cache import above, cached, interval, machine_busy, spread_text
-from .cache import versus as compare
+from .cache import cached, interval
 from .harness import bench_config, launch_measure
-from .results import BenchResult, python_call, row_label
+from .results import BenchResult, python_call
 from .scaling import CPU_TABLE_BATCH, table
 
 #: GPUs per node before a ring all-reduce has to cross the network between nodes.
@@ -167,7 +164,8 @@ def ddp_point(nprocs: int, preset: str | None = None, steps: int = 16, warmup: i
                        ["setup", "processes", "devices", "img/s", "peak MiB/device", "steps"], [], provenance(command))
 
 
-def _devices_used(row: dict) -> int:
+def devices_used(row: dict) -> int:
+    """The devices a speed-table row ran on, from its speedup and efficiency."""
     return max(1, round(row["speedup"] / row["scaling efficiency"]))
 
 
@@ -178,7 +176,7 @@ def scaling_curve(preset: str | None = None, steps: int = 16, warmup: int = 3, *
     speed = cached(table, preset=preset, steps=steps, warmup=warmup, **overrides)
     base = speed.rows[0]
     ddp = speed.row("DDP")
-    top = _devices_used(ddp) if ddp else 1
+    top = devices_used(ddp) if ddp else 1
     rows = [{"devices": 1, "setup": base["setup"], "img/s": base["img/s"], "speedup": 1.0,
              **{k: base.get(k) for k in ("img/s lo", "img/s hi", "speedup lo", "speedup hi")}}]
     for n in [2 ** k for k in range(1, int(math.log2(top)) + 1) if 2 ** k < top]:
@@ -199,79 +197,6 @@ def scaling_curve(preset: str | None = None, steps: int = 16, warmup: int = 3, *
             "baseline step s": base["images/step"] / base["img/s"] if base.get("images/step") else None}
     return BenchResult("scaling", "Measured scaling", rows,
                        ["devices", "setup", "img/s", "speedup", "scaling efficiency"], notes, prov)
-
-
-def _pct(value: float) -> str:
-    return f"{100 * value:.0f} %"
-
-
-def table_verdicts(speed: BenchResult) -> dict[str, str]:
-    """Sentences about a `bench.table` result that hold only as far as its spread allows: the DDP
-    speedup, DDP against the same processes without the all-reduce (CPU), against one process with
-    all the threads (CPU) and against DataParallel at the same N (GPUs); memory per device and in all.
-    Where two ranges overlap the sentence says "too noisy to tell"."""
-    measured = [row for row in speed.rows if row.get("img/s") is not None]
-    base, ddp = measured[0], speed.row("DDP")
-    out = {"result": "", "allreduce": "", "threads": "", "dp": "", "memory": "", "busy": machine_busy(speed)}
-
-    def versus(a, b):  # rows of a busy machine are not comparable, whatever their own spread
-        return 0 if out["busy"] and compare(a, b) is not None else compare(a, b)
-
-    if ddp is None:
-        out["result"] = ("This machine has a single device, so its table has no DDP row (DDP needs at least two) and "
-                         "no speedup to set beside the article's.")
-    else:
-        out["result"] = (f"Here {ddp['setup']} reached {spread_text(ddp)} the speed of {base['setup']}, a scaling "
-                         f"efficiency of {_pct(ddp['scaling efficiency'])}.")
-        n = _devices_used(ddp)
-        if above(ddp, 1.0) == 0:
-            out["result"] += " Its range includes 1x: too noisy to tell whether DDP was faster at all."
-        elif above(ddp, float(n)) == 1 or (interval(ddp, "speedup") is None and ddp["speedup"] > 1.02 * n):
-            out["result"] += (f" That is more than {n} devices' worth, which the same work split {n} ways cannot do: "
-                              "the rows ran at different moments of a machine busy with other work (the baseline at "
-                              "a slow one), so this table is too noisy to tell how DDP scales here.")
-    if out["busy"]:
-        out["result"] = (out["result"] + " " + out["busy"]).strip()
-    ceiling = speed.row(f"{_devices_used(ddp)} processes without") if ddp else None
-    if ddp and ceiling:
-        verdict = versus(ddp, ceiling)
-        gap = 1 - ddp["img/s"] / ceiling["img/s"]
-        out["allreduce"] = {
-            0: f"The same processes without the gradient all-reduce reached {spread_text(ceiling)}: " + (
-               "measured on a busy machine, too noisy to tell what the all-reduce cost." if out["busy"] else
-               "the ranges overlap, so the all-reduce cost nothing measurable here (too noisy to tell it from zero)."),
-            -1: f"The same processes without the gradient all-reduce reached {spread_text(ceiling)}: DDP's whole range "
-                f"lies below, so here the all-reduce cost about {_pct(gap)} of the speed.",
-            1: f"The same processes without the gradient all-reduce reached {spread_text(ceiling)}, below DDP's range, "
-               "which only noise can do (skipping work cannot be slower): too noisy to tell.",
-            None: f"The same processes without the gradient all-reduce reached {ceiling['speedup']:.2f}x ({_pct(gap)} "
-                  "more than DDP; no spread was recorded, so whether that is noise cannot be told).",
-        }[verdict]
-    threads = [row for row in measured if (row.get("threads/process") or 0) > (base.get("threads/process") or 0)
-               and row.get("processes") == 1]
-    if ddp and threads:
-        other = max(threads, key=lambda row: row["threads/process"])
-        verdict = versus(ddp, other)
-        out["threads"] = (f"One process with {other['threads/process']} threads reached {spread_text(other)}: " + {
-            1: "DDP's processes beat the same cores used as threads of one process.",
-            -1: "faster than DDP's processes here.",
-            0: "too noisy to tell it from DDP.",
-            None: "compare it with DDP's figure (no spread recorded)."}[verdict])
-    dp = speed.row("DP")
-    if dp is None:
-        unmeasured = next((row for row in speed.rows if row_label(row).startswith("DP")), None)
-        out["dp"] = ("There is no DP row: " + (unmeasured or {}).get("note", "DataParallel was not measured") +
-                     ". DataParallel drives several GPUs from one process, so it needs at least two.")
-    elif ddp:
-        verdict = versus(ddp, dp)
-        out["dp"] = (f"At the same {_devices_used(ddp)} GPUs, DataParallel reached {spread_text(dp)} and DDP "
-                     f"{spread_text(ddp)}: " + {1: "DDP was faster, with the method the only difference.",
-                                                -1: "DataParallel was faster here.",
-                                                0: "the ranges overlap, too noisy to tell the methods apart.",
-                                                None: "no spread was recorded."}[verdict])
-    out["memory"] = "; ".join(f"{row['setup']}: {row['peak MiB/device']:.0f} MiB per device, {row['total MiB']:.0f} "
-                              "MiB in all" for row in measured)
-    return out
 
 
 def plot_scaling(curve: BenchResult | None, paper: list[dict], title: str, article_rows: Sequence[dict] = (),

@@ -19,7 +19,6 @@ import torch
 from ...config import Config
 from ...hardware import cpu_has_bf16, usable_cores
 from ..machine import provenance
-from .cache import versus
 from .harness import bench_config, launch_measure, multiscale_sizes
 from .results import BenchResult, python_call
 
@@ -278,32 +277,3 @@ SWEEPS: dict[str, Callable[..., BenchResult]] = {
     "loader": sweep_loader, "amp": sweep_amp, "cudnn": sweep_cudnn, "accum": sweep_accum,
     "size": sweep_size, "channels-last": sweep_channels_last, "fast-path": sweep_fast_path,
 }
-
-
-def loader_verdict(sweep: BenchResult) -> dict:
-    """What a `bench.sweep_loader` result says about worker processes here.
-
-    `bound`: the share of a step that workers=0 spends waiting for its batch, which is the most
-    any number of workers can save. `best` / `worst`: the fastest and slowest setting with
-    workers, as `ratio` / `worst ratio` of workers=0's img/s, and `verdict` for the best one:
-    "faster", "slower" or "too noisy to tell" (img/s IQRs from `bench.cache` overlap; without a
-    spread, within `NO_DIFFERENCE`), or "more than the loader could save" when it is faster
-    by more than `bound` allows (then something else, such as other work on the machine, moved
-    the figures). `compute change`: how the slowest setting's median compute time per step
-    compares with workers=0's (workers taking CPU time from the training).
-    """
-    rows = [row for row in sweep.rows if row.get("img/s")]
-    base = next(row for row in rows if row["knobs"]["workers"] == 0)
-    with_workers = [row for row in rows if row["knobs"]["workers"] > 0]
-    best = max(with_workers, key=lambda row: row["img/s"])
-    worst = min(with_workers, key=lambda row: row["img/s"])
-    ratio = best["img/s"] / base["img/s"]
-    order = versus(best, base)
-    if order is None:
-        order = 0 if abs(ratio - 1) < NO_DIFFERENCE else (1 if ratio > 1 else -1)
-    bound = base["data ms"] / (base["data ms"] + base["compute ms"])
-    verdict = {1: "faster", -1: "slower", 0: "too noisy to tell"}[order]
-    if verdict == "faster" and ratio - 1 > bound + NO_DIFFERENCE:
-        verdict = "more than the loader could save"
-    return {"base": base, "best": best, "worst": worst, "ratio": ratio, "worst ratio": worst["img/s"] / base["img/s"],
-            "bound": bound, "verdict": verdict, "compute change": worst["compute ms"] / base["compute ms"] - 1}
