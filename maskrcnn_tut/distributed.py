@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import PeerFailure, RendezvousError, print_error
-from .hardware import usable_cores
+from .hardware import ddp_buffer_sync_keyword, usable_cores
 from .rendezvous import NETWORK_SIGNS, PORT_TAKEN_SIGNS, rendezvous_error, round_store
 
 
@@ -182,10 +182,12 @@ def wrap_ddp(model: nn.Module, cfg, dist_info: DistInfo) -> nn.Module:
     if not dist_info.distributed:
         return model
     device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
-    ddp = nn.parallel.DistributedDataParallel(
+    ddp_class = nn.parallel.DistributedDataParallel
+    buffer_sync = {ddp_buffer_sync_keyword(ddp_class): cfg.broadcast_buffers}
+    ddp = ddp_class(
         model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view, static_graph=cfg.static_graph,
-        forward_sync_buffers=cfg.broadcast_buffers, find_unused_parameters=cfg.find_unused_parameters,
+        find_unused_parameters=cfg.find_unused_parameters, **buffer_sync,
     )
     if cfg.grad_compression != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -6,9 +6,12 @@
 - `cpu_model()`, `ram_gb()`, `gpu_count()`, `cpu_has_bf16()`: what the machine has and can do.
 - `reset_peak_memory`, `peak_memory_mb`, `current_memory_mb`, `device_memory_mb`: the CUDA
   allocator on GPUs, the process's resident memory on CPUs.
+- `ddp_buffer_sync_keyword`, `ddp_syncs_buffers`: the torch versions the package supports differ
+  here, found by feature detection (not by version numbers) in this one place.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import platform
@@ -167,3 +170,18 @@ def device_memory_mb(device: torch.device) -> float | None:
         return torch.cuda.get_device_properties(device).total_memory / 2**20
     total = ram_gb()
     return total * 1024 if total else None
+
+
+# --------------------------------------------------------------------------- torch versions
+
+
+def ddp_buffer_sync_keyword(ddp_class: type) -> str:
+    """DDP's keyword for syncing buffers before each forward: `forward_sync_buffers` from torch 2.13
+    (which deprecates the old one), `broadcast_buffers` in the older torch that hub images still carry."""
+    parameters = inspect.signature(ddp_class.__init__).parameters
+    return "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
+
+
+def ddp_syncs_buffers(ddp) -> bool:
+    """Whether a DDP model syncs its buffers before each forward, read under either torch's name."""
+    return ddp.forward_sync_buffers if hasattr(ddp, "forward_sync_buffers") else ddp.broadcast_buffers

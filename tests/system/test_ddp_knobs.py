@@ -13,6 +13,7 @@ from maskrcnn_tut import distributed as du
 from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.engine import TrainState, build_optimizer, make_scaler, train_step
 from maskrcnn_tut.errors import UnusedParametersError
+from maskrcnn_tut.hardware import ddp_syncs_buffers
 from maskrcnn_tut.lab import processes
 from maskrcnn_tut.lab.proofs import TinyDetector, toy_batches
 
@@ -38,7 +39,7 @@ def ddp_attributes(settings: list[dict]) -> list[dict]:
         ddp = du.wrap_ddp(TinyDetector(), make_config("cpu-tiny", **overrides), du.info())
         seen.append({"bucket_cap_mb": ddp.bucket_bytes_cap / 2**20,
                      "gradient_as_bucket_view": ddp.gradient_as_bucket_view, "static_graph": ddp.static_graph,
-                     "broadcast_buffers": ddp.forward_sync_buffers,
+                     "broadcast_buffers": ddp_syncs_buffers(ddp),
                      "find_unused_parameters": ddp.find_unused_parameters,
                      "comm_hooks": [hook.__name__ for hook, _ in ddp._comm_hooks]})
     return seen
