@@ -337,6 +337,9 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
                           f"{torch.cuda.device_count()} visible GPU(s): nccl needs one GPU per process")
     if cfg.grad_compression != "none" and not cuda:
         raise ConfigError("--grad-compression needs CUDA GPUs (its DDP hooks are for nccl); use none on CPU")
+    if cfg.static_graph and cfg.accum_steps > 1:
+        raise ConfigError(f"--static-graph does not work with --accum-steps {cfg.accum_steps}: DDP's static graph "
+                          "breaks on no_sync() accumulation (pytorch#143580); drop one of the two")
     if cfg.sync_bn and cfg.norm != "bn":
         raise ConfigError(f"--sync-bn converts BatchNorm layers; it does not apply to --norm {cfg.norm}")
     if cfg.test_only and not (cfg.resume or cfg.weights):
