@@ -4,7 +4,7 @@ Training-loop callbacks (each receives every `engine.StepRecord`, whose figures 
 across ranks, so none of them runs a collective):
 
 - `MetricsLogger`: every `print_freq` steps one window-averaged line of `metrics.jsonl`,
-  TensorBoard scalars and the progress bar (rank 0 writes).
+  TensorBoard scalars (when the package is installed) and the progress bar (rank 0 writes).
 - `StragglerCheck(every=N, threshold=1.2)`: warns naming the slow rank when the slowest rank's
   median forward time over the last N steps exceeds `threshold` x the ranks' median.
 
@@ -79,6 +79,18 @@ def metrics_row(records: Sequence, global_batch: int, device: torch.device) -> d
             "max_mem_mb": peak_memory_mb(device), "skipped_steps": sum(r.skipped for r in records)}
 
 
+def tensorboard_writer(folder: Path, purge_step: int):
+    """A TensorBoard `SummaryWriter`, or None and one warning where the `tensorboard` package is not
+    installed (hub images and `--no-deps` installs): metrics.jsonl carries every scalar anyway."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.warning("the tensorboard package is not installed: metrics go to metrics.jsonl only "
+                    "(pip install tensorboard for its charts)")
+        return None
+    return SummaryWriter(str(folder), purge_step=purge_step)
+
+
 class MetricsLogger:
     """Window-averaged step metrics (`metrics_row`) to `metrics.jsonl`, TensorBoard and a tqdm bar (rank 0 only)."""
 
@@ -91,8 +103,7 @@ class MetricsLogger:
         self.metrics_file = open(output_dir / "metrics.jsonl", "a") if output_dir else None
         self.writer = None
         if output_dir and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=start_step + 1)
+            self.writer = tensorboard_writer(output_dir / "tensorboard", purge_step=start_step + 1)
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", disable=not progress,
                         dynamic_ncols=True)
 
