@@ -257,6 +257,6 @@ def model_from_run(output_dir: Path | str):
     out = Path(output_dir)
     saved = json.loads((out / "config.json").read_text())
     cfg = Config(**{f.name: saved[f.name] for f in dataclasses.fields(Config) if f.name in saved})
-    model = build_model(dataclasses.replace(cfg, weights=None), saved["num_classes"])
+    model = build_model(dataclasses.replace(cfg, weights=None, weights_backbone=None), saved["num_classes"])
     model.load_state_dict(load(out / "checkpoints" / "last.pt")["model"])
     return model.eval()

@@ -101,6 +101,9 @@ class Config:
     rpn_batch_size_per_image: int = setting(64, "anchors sampled per image for the RPN loss", bound=">0")
     box_batch_size_per_image: int = setting(64, "RoIs sampled per image for the box and mask heads", bound=">0")
     weights: str | None = setting(None, "local state dict (.pt) to start from; nothing is ever downloaded")
+    weights_backbone: str | None = setting(
+        None, "local ImageNet ResNet state dict (.pt, torchvision's resnet keys) for the backbone alone; the "
+              "FPN and heads start random; nothing is ever downloaded")
     # optimisation
     batch_size: int = setting(4, "images per process per micro-step", bound=">0")
     epochs: int = setting(1, "passes over the training set (ignored when --max-steps is set)", bound=">0")
@@ -210,7 +213,7 @@ def resolve(cfg: Config, explicit: set[str] | None = None) -> Config:
             setattr(cfg, key, value)
     if "epochs" in explicit and "max_steps" not in explicit:
         cfg.max_steps = None  # the user asked for epochs, not the preset's step budget
-    if preset == "gpu-r50" and cfg.weights and "norm" not in explicit:
+    if preset == "gpu-r50" and (cfg.weights or cfg.weights_backbone) and "norm" not in explicit:
         cfg.norm = "frozen"  # pretrained BatchNorm statistics stay as they are (torchvision's recipe)
         if "epochs" not in explicit:
             cfg.epochs = 26
@@ -361,7 +364,7 @@ def _check_paths(cfg: Config) -> None:
                                   f"and {{train,val}}2017/; or give --{split}-json)")
     elif (cfg.train_json is None) != (cfg.val_json is None):
         raise ConfigError("--train-json and --val-json go together (or use --data-path)")
-    for name in ("train_json", "val_json", "train_images", "val_images", "weights"):
+    for name in ("train_json", "val_json", "train_images", "val_images", "weights", "weights_backbone"):
         value = getattr(cfg, name)
         if value is not None and not Path(value).exists():
             raise ConfigError(f"{flag_name(name)} {value}: no such file or directory")

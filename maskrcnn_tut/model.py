@@ -66,6 +66,8 @@ def build_model(cfg, num_classes: int) -> MaskRCNN:
     if cfg.fixed_shapes or cfg.channels_last:
         model.transform.__class__ = BatchTransform  # adds no state: only how a batch is laid out
         model.transform.fixed_shapes, model.transform.channels_last = cfg.fixed_shapes, cfg.channels_last
+    if cfg.weights_backbone:
+        load_backbone_weights(model, cfg.weights_backbone)
     if cfg.weights:
         load_weights(model, cfg.weights)
     if cfg.sync_bn:
@@ -138,27 +140,70 @@ def compilations() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def load_weights(model: nn.Module, path: str) -> None:
-    """Load a local state dict; heads whose shape differs (another class count) stay random."""
+def read_state_dict(path: str, flag: str) -> dict:
+    """A local state dict (or a train.py checkpoint's "model"), loaded without running code."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # not a torch file, truncated, unsafe pickle...
-        raise CheckpointError(f"--weights {path}: not a loadable torch state dict ({type(err).__name__}: "
+        raise CheckpointError(f"{flag} {path}: not a loadable torch state dict ({type(err).__name__}: "
                               f"{str(err).splitlines()[0][:200] if str(err) else ''})") from None
-    state = state.get("model", state) if isinstance(state, dict) else None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"--weights {path}: holds no state dict (a dict of tensors)")
-    own = model.state_dict()
-    matching = {k: v for k, v in state.items()
-                if k in own and isinstance(v, torch.Tensor) and own[k].shape == v.shape}
-    skipped = sorted(set(state) - set(matching))
-    if not matching:
-        raise CheckpointError(f"--weights {path}: no tensor matches this model (is it a Mask R-CNN "
-                         f"state dict for backbone {model.backbone.body.__class__.__name__}?)")
-    model.load_state_dict(matching, strict=False)
-    if skipped:
-        log.warning("--weights %s: %d tensors left at random init (shape or name differs), e.g. %s",
-                    path, len(skipped), ", ".join(skipped[:3]))
+    if isinstance(state, dict):
+        state = state.get("model", state.get("state_dict", state))
+    if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{flag} {path}: holds no state dict (a dict of tensors)")
+    return state
+
+
+def _load_matching(module: nn.Module, state: dict, flag: str, path: str, required: str, hint: str) -> None:
+    """Load the tensors of `state` whose name and shape `module` has; every one of `module`'s
+    tensors under `required` must be among them (else one line, with `hint`). Logs what was
+    loaded, what stays at its initialisation (another class count) and what the file had extra.
+    BatchNorm's `num_batches_tracked` counters are no weights: dropped where the model has none."""
+    own = module.state_dict()
+    state = {k: v for k, v in state.items() if not (k.endswith("num_batches_tracked") and k not in own)}
+    loaded = {k: v for k, v in state.items() if k in own and isinstance(v, torch.Tensor) and own[k].shape == v.shape}
+    missing = [k for k in own if k.startswith(required) and k not in loaded and not k.endswith("num_batches_tracked")]
+    if missing or not loaded:
+        example = missing[0] if missing else next(iter(own))
+        found = "absent" if example not in state else f"shape {tuple(getattr(state[example], 'shape', ()))} " \
+                                                      f"vs the model's {tuple(own[example].shape)}"
+        needed = sum(k.startswith(required) and not k.endswith("num_batches_tracked") for k in own)
+        raise CheckpointError(f"{flag} {path}: does not match this model ({len(missing) or needed} of the "
+                              f"{needed} backbone tensors it needs missing or of another shape, e.g. {example}: "
+                              f"{found}); {hint}")
+    module.load_state_dict(loaded, strict=False)
+    fresh = [k for k in own if k not in loaded and not k.endswith("num_batches_tracked")]
+    ignored = sorted(set(state) - set(loaded))
+    log.info("%s %s: loaded %d tensors, %d re-initialised%s, %d in the file ignored%s", flag, path, len(loaded),
+             len(fresh), f" (e.g. {', '.join(fresh[:3])})" if fresh else "", len(ignored),
+             f" (e.g. {', '.join(ignored[:3])})" if ignored else "")
+
+
+def load_weights(model: MaskRCNN, path: str) -> None:
+    """`--weights`: a torchvision-shaped Mask R-CNN state dict (torchvision's `maskrcnn_resnet50_fpn`
+    or `_v2`, or a train.py checkpoint). The whole backbone must load; heads of another class count
+    (or another design) stay at their initialisation and are reported."""
+    state = read_state_dict(path, "--weights")
+    backbone_only = "conv1.weight" in state and not any(k.startswith("backbone.") for k in state)
+    hint = ("it holds a bare ResNet (ImageNet classifier keys): give it as --weights-backbone" if backbone_only else
+            f"--weights takes a Mask R-CNN state dict with backbone {model.backbone.body.__class__.__name__}-shaped "
+            "(check --backbone and --norm: torchvision's v1 weights need --norm frozen)")
+    _load_matching(model, state, "--weights", path, "backbone.body.", hint)
+    fpn_norm = "backbone.fpn.inner_blocks.0.1.weight"
+    if (fpn_norm in state) != (fpn_norm in model.state_dict()):
+        log.warning("--weights %s: the file's FPN and mask head %s normalization layers and this model's %s "
+                    "(torchvision's v2 weights have them: --norm bn; its v1 weights have none: --norm frozen)",
+                    path, "have" if fpn_norm in state else "have no", "do not" if fpn_norm in state else "do")
+
+
+def load_backbone_weights(model: MaskRCNN, path: str) -> None:
+    """`--weights-backbone`: an ImageNet ResNet state dict (torchvision's `resnet50().state_dict()`
+    keys) for the backbone's body alone; its classifier (`fc`) is ignored, the FPN and heads stay random."""
+    state = read_state_dict(path, "--weights-backbone")
+    full_model = any(k.startswith("backbone.body.") for k in state)
+    hint = ("it holds a whole detection model: give it as --weights" if full_model else
+            "--weights-backbone takes a torchvision ResNet state dict matching --backbone")
+    _load_matching(model.backbone.body, state, "--weights-backbone", path, "", hint)
 
 
 def parameter_count(model: nn.Module) -> int:
