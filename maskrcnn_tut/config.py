@@ -134,6 +134,9 @@ class Config:
                                             "off on CPU)")
     aspect_ratio_group_factor: int = setting(-1, "group images of similar aspect ratio into batches (-1: off)")
     # distributed
+    accelerator: str = setting("auto", "what to train on: auto (the GPUs torch can use, else the CPU; stops when "
+                                       "the machine has NVIDIA GPUs this torch cannot use), cpu (on purpose) or cuda",
+                               choices=("auto", "cpu", "cuda"))
     dist_backend: str | None = setting(None, "process-group backend (default: nccl with CUDA, else gloo)",
                                        choices=("gloo", "nccl"))
     dist_timeout: float = setting(600.0, "seconds a collective may wait before the run fails instead of hanging",
@@ -318,7 +321,7 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
 
 def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_size: int = 1) -> None:
     """Raise `ConfigError` for the first setting that cannot work, before any heavy work."""
-    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    cuda = (torch.cuda.is_available() if cuda_available is None else cuda_available) and cfg.accelerator != "cpu"
     for f in flag_fields():
         _check_field(f, getattr(cfg, f.name))
     if not 0 <= cfg.momentum < 1:

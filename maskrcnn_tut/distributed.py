@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import PeerFailure, RendezvousError, print_error
-from .hardware import ddp_buffer_sync_keyword, usable_cores
+from .errors import ConfigError, PeerFailure, RendezvousError, print_error
+from .hardware import ddp_buffer_sync_keyword, gpus_torch_cannot_use, usable_cores
 from .rendezvous import NETWORK_SIGNS, PORT_TAKEN_SIGNS, rendezvous_error, round_store
 
 
@@ -62,18 +62,34 @@ def env_world() -> tuple[int, int, int, int]:
     return (int(os.environ.get("RANK", 0)), world, int(os.environ.get("LOCAL_RANK", 0)), local_world)
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
+def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
+    """This process's device for `--accelerator` auto, cpu or cuda. A machine whose NVIDIA GPUs torch
+    cannot use (a driver older than torch's CUDA) stops with a one-line `ConfigError` instead of
+    training on the CPU for days, unless the CPU was asked for."""
+    if requested == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    reason = gpus_torch_cannot_use()
+    if reason:
+        raise ConfigError(reason)
+    if requested == "cuda":
+        raise ConfigError(f"--accelerator cuda: torch {torch.__version__} finds no NVIDIA GPU on this machine "
+                          "(use --accelerator auto or cpu)")
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0, accelerator: str = "auto") -> DistInfo:
     """Join the process group described by the environment; a single process needs none.
-    A rendezvous that cannot complete within `timeout_s` raises a one-line `RendezvousError`."""
+    A rendezvous that cannot complete within `timeout_s` raises a one-line `RendezvousError`;
+    `accelerator` is `--accelerator` (see `pick_device`)."""
     global _INFO
     rank, world_size, local_rank, local_world = env_world()
-    cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if cuda else "gloo")
-    if cuda:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = pick_device(accelerator, local_rank)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        device = torch.device("cpu")
         torch.set_num_threads(max(1, usable_cores() // local_world))
     if world_size > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)

@@ -4,6 +4,8 @@
   CPU quota (v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, v2 `cpu.max`), which `nproc` and
   `sched_getaffinity` do not see (a Kubernetes pod limited to 4 CPUs on a 64-core node).
 - `cpu_model()`, `ram_gb()`, `gpu_count()`, `cpu_has_bf16()`: what the machine has and can do.
+- `nvidia_gpus()`, `gpus_torch_cannot_use()`: the NVIDIA GPUs the machine has, whether torch can
+  use them or not (a torch built for a newer CUDA than the driver's sees none).
 - `reset_peak_memory`, `peak_memory_mb`, `current_memory_mb`, `device_memory_mb`: the CUDA
   allocator on GPUs, the process's resident memory on CPUs.
 - `ddp_buffer_sync_keyword`, `ddp_syncs_buffers`: the torch versions the package supports differ
@@ -111,6 +113,66 @@ def ram_gb() -> float | None:
 
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+#: Where the driver's device files and version are (module constants, so tests can point elsewhere).
+DEV = Path("/dev")
+DRIVER_VERSION_FILE = Path("/proc/driver/nvidia/version")
+
+
+def _nvml_gpus() -> tuple[int, str | None] | None:
+    """(GPUs, driver version) as NVML sees them; None where NVML cannot say."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:  # no pynvml, no driver library, no GPU: each raises its own kind
+        return None
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        try:
+            driver = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:
+            driver = None
+        return count, driver.decode() if isinstance(driver, bytes) else driver
+    except Exception:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def nvidia_gpus() -> tuple[int, str | None]:
+    """(NVIDIA GPUs this machine has, driver version or None): NVML when it answers, else the
+    /dev/nvidiaN device files and the kernel module's version file, which need no library at all."""
+    seen = _nvml_gpus()
+    if seen is not None and seen[0] > 0:
+        return seen
+    try:
+        count = sum(1 for entry in DEV.iterdir() if re.fullmatch(r"nvidia\d+", entry.name))
+        version = re.search(r"\s(\d+\.\d+(?:\.\d+)?)\s", DRIVER_VERSION_FILE.read_text() if count else "")
+    except OSError:
+        return 0, None
+    return count, version.group(1) if version else None
+
+
+def gpus_hidden_on_purpose() -> bool:
+    """CUDA_VISIBLE_DEVICES set to nothing (or -1): the user asked CUDA for no GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible is not None and visible.split(",")[0].strip() in ("", "-1")
+
+
+def gpus_torch_cannot_use() -> str | None:
+    """One line naming the driver, torch's CUDA and what to do when this machine has NVIDIA GPUs
+    that torch cannot use (a silent CPU run instead would take days); None when there is nothing to say."""
+    if torch.cuda.is_available() or gpus_hidden_on_purpose():
+        return None
+    count, driver = nvidia_gpus()
+    if count == 0:
+        return None
+    build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+    return (f"this machine has {count} NVIDIA GPU(s) (driver {driver or 'version unknown'}) but torch "
+            f"{torch.__version__} ({build}) cannot use them: install a torch build for this driver "
+            "(nvidia-smi shows the newest CUDA it supports; e.g. pip install torch --index-url "
+            "https://download.pytorch.org/whl/cu126), or pass --accelerator cpu to train on the CPU on purpose")
 
 
 # --------------------------------------------------------------------------- memory

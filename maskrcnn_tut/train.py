@@ -101,7 +101,7 @@ def run(settings: Config) -> dict:
     """The whole job in this process; returns the final metrics (on rank 0)."""
     # settings and processes: one process per GPU (or a share of the CPU cores each); `cfg` is the
     # settings plus what this run derives from them (global batch, scaled lr, precision, pin_memory)
-    info = du.init_distributed(settings.dist_backend, settings.dist_timeout)
+    info = du.init_distributed(settings.dist_backend, settings.dist_timeout, settings.accelerator)
     cfg = derive(prepare_paths(settings, info), info.world_size, info.device)
     device = info.device
     configure_runtime(cfg, device)
@@ -222,7 +222,7 @@ def run(settings: Config) -> dict:
 
 def print_config(settings: Config) -> int:
     """`--print-config`: the settings and what this run derives from them, printed by rank 0."""
-    info = du.init_distributed(settings.dist_backend, settings.dist_timeout)
+    info = du.init_distributed(settings.dist_backend, settings.dist_timeout, settings.accelerator)
     if info.is_main:
         cfg = derive(dataclasses.replace(settings, dist_backend=info.backend), info.world_size, info.device)
         print(json.dumps(cfg.to_dict(), indent=2))
