@@ -126,12 +126,24 @@ def compile_backbone(model: MaskRCNN, device_type: str, backend: str = "inductor
     meets at most three; after `RECOMPILE_LIMIT` torch falls back to eager for that part with a
     warning. `compilations()` counts them. The RoI heads and post-processing stay eager (their
     shapes change with every step's proposals).
+
+    Both parts compile in place (`nn.Module.compile`), so the state dict keeps its plain keys and a
+    compiled run's checkpoints load into any model. With CUDA graphs every model call marks a new
+    step first: else, at inference (no backward pending), the RPN head's graph would start a new
+    generation and free the backbone's features that the RoI heads still read (pytorch#160281).
     """
     import torch._dynamo
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     mode = "reduce-overhead" if device_type == "cuda" and backend == "inductor" else None
-    model.backbone = torch.compile(model.backbone, dynamic=False, mode=mode, backend=backend)
-    model.rpn.head = torch.compile(model.rpn.head, dynamic=False, mode=mode, backend=backend)
+    model.backbone.compile(dynamic=False, mode=mode, backend=backend)
+    model.rpn.head.compile(dynamic=False, mode=mode, backend=backend)
+    if mode == "reduce-overhead":
+        model.register_forward_pre_hook(_begin_cuda_graph_step)
+
+
+def _begin_cuda_graph_step(module: nn.Module, args) -> None:
+    """One CUDA-graph generation per model call, shared by the backbone and the RPN head."""
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def compilations() -> int:
