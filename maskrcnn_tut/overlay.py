@@ -1,0 +1,50 @@
+"""Detections drawn over their image (masks, boxes, class names, scores) with torchvision's
+drawing utilities and PIL: what `python -m maskrcnn_tut.predict` writes beside its results JSON."""
+from __future__ import annotations
+
+import colorsys
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
+
+#: JPEG quality of the overlays (PNG inputs keep PNG: lossless in, lossless out).
+JPEG_QUALITY = 90
+
+
+def class_colors(num_classes: int) -> list[tuple[int, int, int]]:
+    """One bright colour per label, spread over the hue circle (label 0 unused)."""
+    return [tuple(int(255 * c) for c in colorsys.hsv_to_rgb((k * 0.618) % 1.0, 0.85, 1.0))
+            for k in range(max(num_classes, 1))]
+
+
+def draw(image: torch.Tensor, output: dict, class_names: list[str], threshold: float,
+         mask_threshold: float = 0.5) -> torch.Tensor:
+    """`image` (uint8 CHW) with the detections of `output` scoring at least `threshold`."""
+    keep = output["scores"] >= threshold
+    boxes, labels, scores = output["boxes"][keep].cpu(), output["labels"][keep].cpu(), output["scores"][keep].cpu()
+    if not len(boxes):
+        return image
+    colors = class_colors(len(class_names) + 1)
+    box_colors = [colors[int(label)] for label in labels]
+    if "masks" in output:
+        masks = output["masks"][keep][:, 0].cpu() > mask_threshold
+        image = draw_segmentation_masks(image, masks, alpha=0.45, colors=box_colors)
+    names = [class_names[int(label) - 1] if 0 < int(label) <= len(class_names) else str(int(label))
+             for label in labels]
+    text = [f"{name} {float(score):.2f}" for name, score in zip(names, scores)]
+    return draw_bounding_boxes(image, boxes, labels=text, colors=box_colors, width=2)
+
+
+def save(image: torch.Tensor, path: Path) -> None:
+    """Write a uint8 CHW image as PNG or JPEG by `path`'s suffix, through a temporary file so an
+    interrupted run leaves no half-written overlay."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    picture = Image.fromarray(image.permute(1, 2, 0).contiguous().numpy())
+    if path.suffix.lower() == ".png":
+        picture.save(tmp, format="PNG")
+    else:
+        picture.save(tmp, format="JPEG", quality=JPEG_QUALITY)
+    tmp.replace(path)

@@ -1,0 +1,291 @@
+"""Run a trained model on new images: `python -m maskrcnn_tut.predict --checkpoint CKPT IMAGES... --out DIR`
+(or under `torchrun --nproc_per_node=N`: the images are split over the ranks, results gathered on rank 0).
+
+The model is rebuilt at the settings the checkpoint was trained with (its saved config). Outputs:
+`detections.json`, COCO results (category ids of the training json, XYWH boxes, RLE masks) that
+`pycocotools`' `COCO.loadRes` reads and `COCOeval` scores; `images.json`, each image's path and id
+(an image listed in the checkpoint's val json by file name keeps that id, so its results can be
+scored; others are numbered after them); and `overlays/`, each image with its detections drawn
+(unless `--no-overlays`). An image that cannot be used (unreadable, truncated, a few pixels, a
+strip) is skipped and counted, never stopping the run; JSON files are written whole and renamed
+into place, so an interrupted run leaves the previous complete file, never half of one.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms.v2 import functional as F
+from tqdm.auto import tqdm
+
+from . import checkpoint as ckpt
+from . import distributed as du
+from . import overlay
+from .config import Config, derive
+from .data.clean import category_labels, load_coco_json, resize_fails
+from .data.coco import read_rgb
+from .data.loader import dataset_paths, to_device
+from .engine import autocast
+from .errors import CheckpointError, ConfigError, DataError, UserError, print_error
+from .evaluate import gather_results, to_coco_results
+from .model import build_model
+
+log = logging.getLogger("maskrcnn_tut.predict")
+
+#: What a folder is searched for (a file named on the command line is tried whatever its suffix).
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+#: An image with a side under this many pixels is not a photo of objects: skipped as too_small.
+MIN_SIDE = 8
+#: Skipped images whose reason is logged one by one; later ones are counted only.
+LOGGED_SKIPS = 5
+#: A single process rewrites detections.json every this many batches (a long run keeps what it did).
+SAVE_EVERY = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    path: Path
+    image_id: int
+    overlay_name: str
+
+
+def find_images(inputs: list[str]) -> list[Path]:
+    """The files named, and the images under each folder named (sorted, recursive), once each."""
+    found: dict[Path, None] = {}
+    for name in inputs:
+        path = Path(name)
+        if path.is_dir():
+            images = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+                            and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            if not images:
+                raise DataError(f"{name}: no images in this folder (looked for {', '.join(sorted(IMAGE_SUFFIXES))})")
+            found.update(dict.fromkeys(images))
+        elif path.is_file():
+            found[path] = None
+        else:
+            raise DataError(f"{name}: no such file or directory")
+    return list(found)
+
+
+def load_model(path: Path) -> tuple[torch.nn.Module, Config, dict, int | None]:
+    """(model in eval mode, its settings, the saved config, the step it was saved at) of a train.py checkpoint."""
+    payload = ckpt.load(path)
+    saved = payload.get("config")
+    if not isinstance(saved, dict) or "num_classes" not in saved or "class_names" not in saved:
+        raise CheckpointError(f"{path}: has no training config, so nothing says which model it holds; "
+                              "use a checkpoint written by train.py")
+    fields = {f.name for f in dataclasses.fields(Config)} - {"given"}
+    cfg = Config(**{k: saved[k] for k in fields if k in saved})
+    cfg = dataclasses.replace(cfg, weights=None, weights_backbone=None, sync_bn=False, compile_backbone=False)
+    model = build_model(cfg, saved["num_classes"])
+    try:
+        model.load_state_dict(payload["model"])
+    except (RuntimeError, TypeError, AttributeError) as err:
+        detail = [line.strip() for line in str(err).splitlines() if line.strip()][-1]  # the first is a header
+        raise CheckpointError(f"{path}: its weights do not fit the model its config describes ({detail[:200]})") from None
+    return model.eval(), cfg, saved, payload["state"].get("step")
+
+
+def val_index(cfg: Config, num_classes: int) -> tuple[dict[int, int], dict[str, int]]:
+    """({label: category id}, {file name: image id}) from the val json the checkpoint was trained
+    with; without it, labels stand for categories and every image is numbered."""
+    fallback = {label: label for label in range(1, num_classes)}, {}
+    try:
+        data = load_coco_json(dataset_paths(cfg, "val")[1])
+    except (DataError, TypeError) as err:
+        log.warning("the checkpoint's val json cannot be read (%s): category ids are the model's labels 1..%d "
+                    "and images are numbered", str(err)[:200], num_classes - 1)
+        return fallback
+    _, cat_to_label = category_labels(data["categories"])
+    if len(cat_to_label) != num_classes - 1:
+        log.warning("the val json has %d categories, the model %d: category ids are the model's labels",
+                    len(cat_to_label), num_classes - 1)
+        return fallback
+    ids = {Path(str(im.get("file_name"))).name: im["id"] for im in data["images"] if isinstance(im.get("id"), int)}
+    return {label: cat for cat, label in cat_to_label.items()}, ids
+
+
+def plan(paths: list[Path], known_ids: dict[str, int]) -> list[Item]:
+    """Each image with its id (the val json's by file name, else numbered after the largest used)
+    and an overlay name (its own, or with its id when two inputs share a name)."""
+    known = {known_ids[p.name] for p in paths if p.name in known_ids}
+    next_id, items, names, assigned = max(known, default=0) + 1, [], set(), set()
+    for path in paths:
+        image_id = known_ids.get(path.name)
+        if image_id is None or image_id in assigned:  # a second file of the same name is another image
+            image_id, next_id = next_id, next_id + 1
+        assigned.add(image_id)
+        suffix = ".png" if path.suffix.lower() == ".png" else ".jpg"
+        name = path.stem + suffix if path.stem + suffix not in names else f"{path.stem}_{image_id}{suffix}"
+        names.add(name)
+        items.append(Item(path, image_id, name))
+    return items
+
+
+def read_image(path: Path, min_size: int, max_size: int) -> tuple[torch.Tensor | None, str]:
+    """(uint8 CHW RGB image, "") or (None, why it is skipped)."""
+    try:
+        image = F.pil_to_tensor(read_rgb(path))
+    except Exception as err:  # noqa: BLE001 - any file content: corrupt, truncated, not an image
+        return None, f"unreadable ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
+    height, width = image.shape[-2:]
+    if min(height, width) < MIN_SIDE:
+        return None, f"too_small ({width}x{height} px)"
+    if resize_fails([width], [height], min_size, max_size)[0]:
+        return None, f"extreme_aspect ({width}x{height} px)"
+    return image, ""
+
+
+class ImageFiles(Dataset):
+    """This rank's images, decoded in DataLoader workers; a failure is a reason, not an exception."""
+
+    def __init__(self, items: list[Item], min_size: int, max_size: int):
+        self.items, self.min_size, self.max_size = items, min_size, max_size
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int):
+        return (self.items[index], *read_image(self.items[index].path, self.min_size, self.max_size))
+
+
+def write_json(obj, path: Path) -> None:
+    """Write whole, then rename into place: readers see the previous file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="[torchrun --nproc_per_node=N] python -m maskrcnn_tut.predict",
+        description="Detect and segment objects in images with a train.py checkpoint; write COCO results "
+                    "(detections.json), the image ids (images.json) and overlays.")
+    parser.add_argument("inputs", nargs="+", metavar="IMAGES_OR_DIRS", help="image files and folders (searched recursively)")
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint train.py wrote (e.g. RUN/checkpoints/last.pt)")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--score-threshold", type=float, default=0.05,
+                        help="keep detections scoring at least this (default 0.05, as COCO evaluation does)")
+    parser.add_argument("--overlay-threshold", type=float, default=0.5,
+                        help="draw detections scoring at least this on the overlays (default 0.5)")
+    parser.add_argument("--max-detections", type=int, default=100, help="detections kept per image (default 100)")
+    parser.add_argument("--batch-size", type=int, default=2, help="images per forward pass per process (default 2)")
+    parser.add_argument("--workers", type=int, default=2, help="decoding worker processes per process (default 2)")
+    parser.add_argument("--no-overlays", action="store_true", help="write only the JSON files")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: each process's GPU when CUDA is available, else the CPU")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for flag, value, low in (("--batch-size", args.batch_size, 1), ("--max-detections", args.max_detections, 1),
+                             ("--workers", args.workers, 0)):
+        if value < low:
+            raise ConfigError(f"{flag} {value}: must be at least {low}")
+    for flag, value in (("--score-threshold", args.score_threshold), ("--overlay-threshold", args.overlay_threshold)):
+        if not 0 <= value <= 1:
+            raise ConfigError(f"{flag} {value}: a score threshold is between 0 and 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible")
+    if not Path(args.checkpoint).is_file():
+        raise ConfigError(f"--checkpoint {args.checkpoint}: no such file")
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """Predict this rank's share of the images; rank 0 writes the outputs and returns a summary."""
+    info = du.init_distributed("gloo" if args.device == "cpu" else None)
+    device = torch.device("cpu") if args.device == "cpu" else info.device
+    paths = find_images(args.inputs)
+    model, cfg, saved, step = load_model(Path(args.checkpoint))
+    model.roi_heads.score_thresh, model.roi_heads.detections_per_img = args.score_threshold, args.max_detections
+    model.to(device)
+    label_to_cat, known_ids = val_index(cfg, saved["num_classes"])
+    items = plan(paths, known_ids)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if info.is_main:
+        log.info("%s (step %s, %s, %d classes): %d images on %d process(es), %s px", args.checkpoint,
+                 step, cfg.backbone,
+                 saved["num_classes"] - 1, len(items), info.world_size, f"{cfg.min_size}/{cfg.max_size}")
+    run_facts = derive(cfg, info.world_size, device)
+    shard = ImageFiles(items[info.rank::info.world_size], cfg.min_size, cfg.max_size)
+    loader = DataLoader(shard, batch_size=args.batch_size, num_workers=args.workers, collate_fn=list)
+    results, done, skipped = [], [], Counter()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        bar = tqdm(loader, desc="predict", unit="batch", disable=args.no_progress or not info.is_main)
+        for step, batch in enumerate(bar, 1):
+            for item, _, reason in (b for b in batch if b[1] is None):
+                kind = reason.split(" ")[0]
+                skipped[kind] += 1
+                if sum(skipped.values()) <= LOGGED_SKIPS:
+                    log.warning("skipped %s: %s", item.path, reason)
+            readable = [(item, image) for item, image, _ in batch if image is not None]
+            if not readable:
+                continue
+            images, _ = to_device([image for _, image in readable], [], device)
+            with autocast(run_facts, device):
+                outputs = model(images)
+            ids = [item.image_id for item, _ in readable]
+            results.extend(to_coco_results(outputs, ids, label_to_cat))
+            done.extend(ids)
+            if not args.no_overlays:
+                for (item, image), output in zip(readable, outputs):
+                    overlay.save(overlay.draw(image, output, saved["class_names"], args.overlay_threshold),
+                                 out / "overlays" / item.overlay_name)
+            if info.world_size == 1 and step % SAVE_EVERY == 0:
+                write_json(results, out / "detections.json")
+    seconds = time.perf_counter() - started
+    gathered = gather_results(results, done)
+    all_skipped = du.all_gather_objects(dict(skipped))
+    if gathered is None:
+        return None
+    all_results, all_ids = gathered
+    write_json(all_results, out / "detections.json")
+    predicted = set(all_ids)
+    write_json({str(item.path): item.image_id for item in items if item.image_id in predicted}, out / "images.json")
+    counts = sum((Counter(s) for s in all_skipped), Counter())
+    summary = {"images": len(all_ids), "detections": len(all_results), "skipped": dict(counts),
+               "seconds": round(seconds, 2), "img_per_s": round(len(all_ids) / max(seconds, 1e-9), 2)}
+    print(f"predicted {summary['images']} images ({summary['detections']} detections) in {summary['seconds']} s, "
+          f"{summary['img_per_s']} img/s on {info.world_size} process(es); skipped "
+          f"{', '.join(f'{k} {v}' for k, v in counts.items()) or 'none'}; outputs in {out}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done; 2 bad arguments, inputs or checkpoint; 4 another rank failed."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    rank = du.env_world()[0]
+    if rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        args = build_parser().parse_args(argv)
+        check_args(args)
+        run(args)
+    except UserError as err:
+        if rank == 0 or err.rank_specific:
+            print_error(str(err))
+        return err.exit_code
+    except KeyboardInterrupt:
+        return du.interrupted(rank)
+    finally:
+        du.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
