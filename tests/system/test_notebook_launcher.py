@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from maskrcnn_tut import distributed as du
+from maskrcnn_tut.errors import WorkerError
 from maskrcnn_tut.lab import processes
 
 pytestmark = pytest.mark.system
@@ -63,7 +64,7 @@ def test_two_processes_return_rank_zeros_result_and_stream_output(capsys):
 
 def test_worker_exception_becomes_workererror_with_traceback():
     started = time.monotonic()
-    with pytest.raises(du.WorkerError) as caught:
+    with pytest.raises(WorkerError) as caught:
         processes.launch(fail_on_rank_one, 2, timeout_s=120)
     message = str(caught.value)
     assert "worker 1 failed" in message and "ValueError: rank one is broken" in message
@@ -73,13 +74,13 @@ def test_worker_exception_becomes_workererror_with_traceback():
 
 
 def test_worker_that_dies_without_a_word_is_reported():
-    with pytest.raises(du.WorkerError, match="worker 1 died with exit code 3"):
+    with pytest.raises(WorkerError, match="worker 1 died with exit code 3"):
         processes.launch(exit_hard_on_rank_one, 2, timeout_s=120)
     assert _no_children_left()
 
 
 def test_unpicklable_result_is_an_error_not_a_hang():
-    with pytest.raises(du.WorkerError, match="cannot be sent back"):
+    with pytest.raises(WorkerError, match="cannot be sent back"):
         processes.launch(return_unpicklable, 1)
     assert _no_children_left()
 
