@@ -51,11 +51,13 @@ def read_encoded(path: Path, width: int, height: int) -> Encoded | None:
 
 def apply_transforms(transforms, image, target, seed: int | None):
     """`transforms(image, target)`, drawn from `seed` (the process's own RNG when None), leaving the
-    process's RNG as it was: augmentation is a function of the sample, wherever it runs."""
+    process's RNG as it was: augmentation is a function of the sample, wherever it runs. Only the CPU
+    generator, which the transforms draw from, is seeded: `torch.manual_seed` would also reseed every
+    GPU's generator (RPN and RoI sampling) with the last sample's seed."""
     if seed is None:
         return transforms(image, target)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         return transforms(image, target)
 
 
@@ -67,6 +69,10 @@ def decode_batch(images: list, targets: list, transforms, device: torch.device, 
     if not encoded:
         return list(images), list(targets)
     data = [images[i].data for i in encoded]
+    if device.type == "cuda":
+        # nvJPEG writes on a stream of its own that does not wait for ours, into memory the caching
+        # allocator may just have taken back from kernels still queued there (the last optimizer step)
+        torch.cuda.current_stream(device).synchronize()
     try:
         decoded = tv_io.decode_jpeg(data, mode=tv_io.ImageReadMode.RGB, device=device)
     except RuntimeError:  # one bad file fails the whole call: decode one by one, the CPU as fallback
