@@ -2,7 +2,9 @@
 
 A detection-shaped toy model (lists of images and target dicts in, a loss dict out) runs through
 the real `engine.train_step`, so the proofs exercise the same accumulation, `no_sync` and
-all-reduce code that trains Mask R-CNN, at a size where float rounding is the only difference.
+all-reduce code that trains Mask R-CNN, at a size where float rounding is the only difference:
+on GPUs they run in plain fp32 (no TF32) with deterministic cuDNN (`exact_fp32`), so the chapters'
+1e-6 bounds hold there as on the CPU.
 
 - `accumulation_check`: K accumulated micro-batches of B give the gradient of one batch of K*B (ch. 7).
 - `ddp_accumulation_check`: the same under DDP, and one all-reduce per optimizer step with `no_sync`.
@@ -15,8 +17,9 @@ The functions named "run inside `processes.launch`" are called as `processes.lau
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -60,12 +63,30 @@ def model_device(model: nn.Module) -> torch.device:
     return next(du.unwrap(model).parameters()).device
 
 
+@contextlib.contextmanager
+def exact_fp32() -> Iterator[None]:
+    """Plain fp32 matmuls and convolutions, cuDNN deterministic and not autotuned, for the duration:
+    TF32 (on by default for cuDNN, and `configure_runtime` turns it on for matmuls) rounds to about
+    1e-3 and cuDNN may pick another algorithm for a batch of 2 than for one of 16. Flags restored after."""
+    flags = (torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"), \
+        (torch.backends.cudnn, "deterministic"), (torch.backends.cudnn, "benchmark")
+    saved = [getattr(owner, name) for owner, name in flags]
+    for (owner, name), exact in zip(flags, (False, False, True, False)):
+        setattr(owner, name, exact)
+    try:
+        yield
+    finally:
+        for (owner, name), value in zip(flags, saved):
+            setattr(owner, name, value)
+
+
 def accumulated_gradients(model: nn.Module, batches, accum_steps: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """Gradients left by one `engine.train_step` over `accum_steps` micro-batches, on the model's
-    device (the lab's rig around the model, seeded with `seed` as a run with that --seed is)."""
+    device (the lab's rig around the model, seeded with `seed` as a run with that --seed is), in exact fp32."""
     settings = make_config("cpu-tiny", accum_steps=accum_steps, optimizer="sgd", lr=1e-9, weight_decay=0.0, seed=seed)
     rig = build_rig(settings, device=model_device(model), batches=batches, model=model, wrap=None)
-    rig.step()
+    with exact_fp32():
+        rig.step()
     return {name: p.grad.detach().clone() for name, p in du.unwrap(model).named_parameters()}
 
 
