@@ -8,8 +8,8 @@
   use them or not (a torch built for a newer CUDA than the driver's sees none).
 - `reset_peak_memory`, `peak_memory_mb`, `current_memory_mb`, `device_memory_mb`: the CUDA
   allocator on GPUs, the process's resident memory on CPUs.
-- `ddp_buffer_sync_keyword`, `ddp_syncs_buffers`: the torch versions the package supports differ
-  here, found by feature detection (not by version numbers) in this one place.
+- `ddp_buffer_sync_keyword`, `ddp_syncs_buffers`, `set_recompile_limit`: the torch versions the
+  package supports differ here, found by feature detection (not by version numbers) in this one place.
 """
 from __future__ import annotations
 
@@ -247,3 +247,11 @@ def ddp_buffer_sync_keyword(ddp_class: type) -> str:
 def ddp_syncs_buffers(ddp) -> bool:
     """Whether a DDP model syncs its buffers before each forward, read under either torch's name."""
     return ddp.forward_sync_buffers if hasattr(ddp, "forward_sync_buffers") else ddp.broadcast_buffers
+
+
+def set_recompile_limit(limit: int) -> None:
+    """How often torch.compile may recompile one piece of code before it falls back to eager:
+    `recompile_limit` from torch 2.7, `cache_size_limit` (the same limit's old name) in torch 2.6."""
+    import torch._dynamo
+    config = torch._dynamo.config
+    setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", limit)

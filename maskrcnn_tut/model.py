@@ -132,8 +132,8 @@ def compile_backbone(model: MaskRCNN, device_type: str, backend: str = "inductor
     step first: else, at inference (no backward pending), the RPN head's graph would start a new
     generation and free the backbone's features that the RoI heads still read (pytorch#160281).
     """
-    import torch._dynamo
-    torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    from .hardware import set_recompile_limit
+    set_recompile_limit(RECOMPILE_LIMIT)
     mode = "reduce-overhead" if device_type == "cuda" and backend == "inductor" else None
     model.backbone.compile(dynamic=False, mode=mode, backend=backend)
     model.rpn.head.compile(dynamic=False, mode=mode, backend=backend)

@@ -10,7 +10,7 @@ from torch import nn
 
 from maskrcnn_tut import distributed as du
 from maskrcnn_tut.config import make_config
-from maskrcnn_tut.hardware import ddp_buffer_sync_keyword, ddp_syncs_buffers
+from maskrcnn_tut.hardware import ddp_buffer_sync_keyword, ddp_syncs_buffers, set_recompile_limit
 
 
 class OlderDDP:
@@ -49,3 +49,31 @@ def test_the_installed_torch_is_read_by_feature():
 def test_buffer_sync_is_read_back_under_either_name():
     assert ddp_syncs_buffers(SimpleNamespace(forward_sync_buffers=True)) is True
     assert ddp_syncs_buffers(SimpleNamespace(broadcast_buffers=False)) is False
+
+
+class Torch26DynamoConfig:
+    """torch 2.6's dynamo config: the recompile limit still under its old name, and no other."""
+
+    def __init__(self):
+        self.cache_size_limit = 8
+
+    def __setattr__(self, name, value):
+        if name != "cache_size_limit":
+            raise AttributeError(f"torch._dynamo.config.{name} does not exist")
+        object.__setattr__(self, name, value)
+
+
+def test_the_recompile_limit_is_set_under_the_name_this_torch_has(monkeypatch):
+    import torch._dynamo
+
+    old = Torch26DynamoConfig()
+    monkeypatch.setattr(torch._dynamo, "config", old)
+    set_recompile_limit(3)
+    assert old.cache_size_limit == 3
+    monkeypatch.undo()
+    before = torch._dynamo.config.recompile_limit
+    try:
+        set_recompile_limit(5)
+        assert torch._dynamo.config.recompile_limit == 5
+    finally:
+        torch._dynamo.config.recompile_limit = before
