@@ -1,15 +1,13 @@
 """Every invalid setting is rejected before training: one line naming the flag, exit code 2, no
 traceback, the same under torchrun on every rank."""
-import subprocess
 
 import pytest
 import torch
-from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+from conftest import TRAIN_SCRIPT, run_train
 
 from maskrcnn_tut import checkpoint as ckpt
 from maskrcnn_tut.config import make_config, validate
 from maskrcnn_tut.errors import ConfigError
-from maskrcnn_tut.lab.processes import free_port
 
 INVALID = [  # (setting, value, the flag the message must name)
     ("batch_size", 0, "--batch-size"), ("epochs", 0, "--epochs"), ("accum_steps", 0, "--accum-steps"),
@@ -110,19 +108,15 @@ def test_cli_rejects_each_bad_setting_with_one_line_and_exit_code_2(shapes_root,
 
 @pytest.mark.system
 def test_the_script_exits_2_with_one_line_and_no_traceback(shapes_root, tmp_path):
-    out = subprocess.run([PYTHON, str(TRAIN_SCRIPT), "--data-path", str(shapes_root), "--output-dir",
-                          str(tmp_path / "run"), "--accum-steps", "0"],
-                         capture_output=True, text=True, timeout=300, env=subprocess_env())
+    out = run_train("--data-path", str(shapes_root), "--output-dir", str(tmp_path / "run"), "--accum-steps", "0")
     assert out.returncode == 2
     assert out.stderr.strip() == "error: --accum-steps must be a positive integer, got 0"
 
 
 @pytest.mark.system
 def test_torchrun_ranks_all_reject_a_bad_setting_once_and_its_summary_names_it(shapes_root, tmp_path):
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
-           str(TRAIN_SCRIPT), "--data-path", str(shapes_root), "--output-dir", str(tmp_path / "run"),
-           "--batch-size", "0"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env())
+    out = run_train("--data-path", str(shapes_root), "--output-dir", str(tmp_path / "run"), "--batch-size", "0",
+                    nproc=2)
     assert out.returncode != 0
     ours = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert ours == ["error: --batch-size must be a positive integer, got 0"], out.stderr[-3000:]  # rank 0 says it

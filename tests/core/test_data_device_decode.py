@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import PYTHON, TRAIN_SCRIPT, run_flags, subprocess_env
+from conftest import run_flags, run_train
 from PIL import Image
 
 from maskrcnn_tut.data.coco import CocoDetection
@@ -88,11 +88,8 @@ def _jpeg_bytes() -> bytes:
 
 @pytest.mark.system
 def test_train_py_runs_with_decode_on_device(jpeg_root, tmp_path):
-    import subprocess
-
     flags = run_flags(jpeg_root, tmp_path / "run", "--max-steps", "2", "--decode-on-device", "--workers", "1")
-    done = subprocess.run([PYTHON, str(TRAIN_SCRIPT), *flags], capture_output=True, text=True, timeout=240,
-                          env=subprocess_env())
+    done = run_train(*flags)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["load_failed"] == 0

@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
+from conftest import TRAIN_SCRIPT, run_train, subprocess_env
 
 from maskrcnn_tut.lab.processes import free_port
 from maskrcnn_tut.monitor import read_jsonl
@@ -14,8 +14,8 @@ METRIC_KEYS = {"step", "epoch", "lr", "loss", "loss_classifier", "loss_box_reg",
 EVAL_KEYS = {"step", "bbox_AP", "bbox_AP50", "bbox_AP75", "segm_AP", "segm_AP50", "segm_AP75"}
 
 
-def _run(cmd, timeout=240):
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+def _run(*flags, nproc=1):
+    out = run_train(*flags, nproc=nproc)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
@@ -38,13 +38,12 @@ def _check_outputs(run_dir, world_size, steps, batch, accum=1):
 
 
 def test_single_process_with_accumulation(tiny_flags, tmp_path):
-    _run([PYTHON, str(TRAIN_SCRIPT), *tiny_flags, "--max-steps", "2", "--accum-steps", "2"])
+    _run(*tiny_flags, "--max-steps", "2", "--accum-steps", "2")
     _check_outputs(tmp_path / "run", world_size=1, steps=2, batch=2, accum=2)
 
 
 def test_two_processes_with_torchrun(tiny_flags, tmp_path):
-    out = _run(["torchrun", "--nproc_per_node=2", str(TRAIN_SCRIPT), *tiny_flags, "--max-steps", "3",
-                "--eval-every", "2"])
+    out = _run(*tiny_flags, "--max-steps", "3", "--eval-every", "2", nproc=2)
     _check_outputs(tmp_path / "run", world_size=2, steps=3, batch=2)
     assert [e["step"] for e in read_jsonl(tmp_path / "run" / "eval.jsonl")] == [2, 3]
     assert out.stdout.count("done:") == 1  # only rank 0 reports
