@@ -116,41 +116,63 @@ def ddp_no_sync(model: nn.Module, last_micro_step: bool):
     return model.no_sync()
 
 
-def _synchronize(device: torch.device) -> None:
+def _now(device: torch.device):
+    """A point in time on the device's own clock: a CUDA event recorded on the current stream (the
+    host does not wait for the device), else the host clock."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
 
 
-def _forward(model, images, targets, device) -> tuple[dict, float]:
-    """The loss dict, and the seconds the model's own forward took on this rank.
+def _seconds(start, stop) -> float:
+    """Seconds between two `_now` points; for CUDA events the host waits for `stop` alone."""
+    if isinstance(stop, float):
+        return stop - start
+    stop.synchronize()
+    return start.elapsed_time(stop) / 1000
 
-    Timed by hooks on the module inside DDP, after a device sync, so neither DDP's buffer
-    broadcast before it nor any wait for another rank is counted: what is left differs between
-    ranks only by their own work (images, sizes, device speed), which is what reveals a straggler.
+
+def _timed_module(model: nn.Module) -> nn.Module:
+    """Where the forward is timed: inside DDP (so its buffer broadcast before the forward is not
+    counted); on a DataParallel wrapper itself, whose replicas run in threads of their own."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _forward(model, images, targets, device) -> tuple[dict, tuple]:
+    """The loss dict, and the (start, stop) of the model's own forward on this rank (`_seconds`).
+
+    Timed by hooks on the module inside DDP, so neither DDP's buffer broadcast before it nor any
+    wait for another rank is counted: what is left differs between ranks only by their own work
+    (images, sizes, device speed), which is what reveals a straggler. On GPUs the marks are CUDA
+    events, read once the step's work is queued: no device-wide synchronization per forward.
     """
-    inner, marks = du.unwrap(model), {}
+    marks = {}
 
     def mark(name):
         def hook(*_):
-            _synchronize(device)
-            marks[name] = time.perf_counter()
+            marks[name] = _now(device)
         return hook
 
-    handles = [inner.register_forward_pre_hook(mark("start")), inner.register_forward_hook(mark("stop"))]
+    timed = _timed_module(model)
+    handles = [timed.register_forward_pre_hook(mark("start")), timed.register_forward_hook(mark("stop"))]
     called = time.perf_counter()
     try:
         loss_dict = model(images, targets)
     finally:
         for handle in handles:
             handle.remove()
-    return loss_dict, marks.get("stop", time.perf_counter()) - marks.get("start", called)
+    if "start" not in marks or "stop" not in marks:  # the hooks did not run: the host's view
+        return loss_dict, (called, time.perf_counter())
+    return loss_dict, (marks["start"], marks["stop"])
 
 
 def forward_backward(model, images, targets, cfg: Run, device, scaler, accum_steps: int, sync: bool):
     try:  # DDP reports parameters without gradient in the next step's forward, or in backward
         with ddp_no_sync(model, sync):
             with autocast(cfg, device):
-                loss_dict, forward_time = _forward(model, images, targets, device)
+                loss_dict, forward_span = _forward(model, images, targets, device)
             loss = sum(loss_dict.values())  # a dict of tensors: sum its values, not the dict
             scaler.scale(loss / accum_steps).backward()
     except RuntimeError as err:
@@ -159,7 +181,7 @@ def forward_backward(model, images, targets, cfg: Run, device, scaler, accum_ste
                                         "--find-unused-parameters (slower) or make every "
                                         "parameter take part in the loss") from None
         raise
-    return loss_dict, forward_time
+    return loss_dict, forward_span
 
 
 @dataclass
@@ -189,7 +211,8 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, device, st
     start = time.perf_counter()
     info = du.info()
     accum = require_run(cfg, "train_step").accum_steps
-    data_time = forward_time = 0.0
+    data_time = 0.0
+    forward_spans = []
     totals: dict[str, torch.Tensor] = {}
     optimizer.zero_grad(set_to_none=True)
     for micro in range(accum):
@@ -197,8 +220,8 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, device, st
         images, targets = next(batches)
         images, targets = to_device(images, targets, device, non_blocking=cfg.pin_memory)
         data_time += time.perf_counter() - t_data
-        loss_dict, seconds = forward_backward(model, images, targets, cfg, device, scaler, accum, micro == accum - 1)
-        forward_time += seconds
+        loss_dict, span = forward_backward(model, images, targets, cfg, device, scaler, accum, micro == accum - 1)
+        forward_spans.append(span)
         for name, value in loss_dict.items():
             totals[name] = totals.get(name, 0.0) + value.detach().float() / accum
     if not term_names:
@@ -209,7 +232,7 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, device, st
     local = torch.stack([totals[name] for name in term_names])
     shared[info.rank, :n] = torch.nan_to_num(local, nan=0.0, posinf=0.0, neginf=0.0)
     shared[info.rank, n] = (~torch.isfinite(local)).any().float()
-    shared[info.rank, n + 1] = forward_time
+    shared[info.rank, n + 1] = sum(_seconds(*span) for span in forward_spans)  # every backward is queued by now
     shared[info.rank, n + 2] = data_time
     shared[info.rank, n + 3] = float(stop_requested)
     du.all_reduce_sum(shared)
