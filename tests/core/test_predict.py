@@ -110,3 +110,20 @@ def test_a_folder_copy_gets_new_ids_only_for_names_the_val_json_lacks(trained, s
     known = {im["file_name"]: im["id"] for im in COCO(str(small_shapes / "annotations" / "instances_val2017.json")).dataset["images"]}
     assert ids[str(photos / "renamed.jpg")] == max(known.values()) + 1
     assert all(ids[str(photos / name)] == i for name, i in known.items() if name != first.name)
+
+
+def test_an_interrupted_run_leaves_valid_json_of_the_batches_done(trained, small_shapes, tmp_path, monkeypatch):
+    monkeypatch.setattr(predict, "SAVE_EVERY", 1)
+    drawn = []
+
+    def interrupt_on_the_third_image(image, path):
+        drawn.append(path)
+        if len(drawn) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(predict.overlay, "save", interrupt_on_the_third_image)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        _predict("--checkpoint", str(trained), "--out", str(out), "--batch-size", "2", str(small_shapes / "val2017"))
+    results = json.loads((out / "detections.json").read_text())  # the first batch, whole
+    assert len({r["image_id"] for r in results}) == 2

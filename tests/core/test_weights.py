@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 import torchvision
-from torchvision.models.detection import maskrcnn_resnet50_fpn
+from torchvision.models.detection import maskrcnn_resnet50_fpn, maskrcnn_resnet50_fpn_v2
 from torchvision.ops import FrozenBatchNorm2d
 
 from maskrcnn_tut.config import make_config
@@ -19,10 +19,11 @@ CLASSES = 4  # + background
 
 @pytest.fixture(scope="module")
 def torchvision_files(tmp_path_factory) -> dict:
-    """torchvision-shaped state dicts: Mask R-CNN v1 (91 classes), ImageNet ResNet-50 and ResNet-18."""
+    """torchvision-shaped state dicts: Mask R-CNN v1 and v2 (91 classes), ImageNet ResNet-50 and ResNet-18."""
     root = tmp_path_factory.mktemp("weights")
     torch.manual_seed(0)
     models = {"maskrcnn": maskrcnn_resnet50_fpn(weights=None, weights_backbone=None),
+              "maskrcnn_v2": maskrcnn_resnet50_fpn_v2(weights=None, weights_backbone=None),
               "resnet50": torchvision.models.resnet50(), "resnet18": torchvision.models.resnet18()}
     files = {}
     for name, model in models.items():
@@ -82,6 +83,22 @@ def test_imagenet_resnet50_seeds_the_backbone_alone_and_trains(torchvision_files
     report = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("--weights-backbone"))
     assert "loaded 265 tensors, 0 re-initialised, 2 in the file ignored (e.g. fc.bias, fc.weight)" in report
     _train_one_step(model)
+
+
+def test_torchvision_v2_loads_with_its_normalized_fpn_and_mask_head_under_norm_bn(torchvision_files, caplog):
+    """v2 normalizes its FPN and mask head (BatchNorm): --norm bn gives our model the same layers, and
+    only v2's conv box head and second RPN conv, which this model does not have, are left out."""
+    with caplog.at_level(logging.INFO, logger="maskrcnn_tut.model"):
+        build_model(_small_r50(weights=str(torchvision_files["maskrcnn_v2"])), CLASSES + 1)  # norm frozen
+        assert "torchvision's v2 weights have them: --norm bn" in caplog.text
+        caplog.clear()
+        model = build_model(_small_r50(weights=str(torchvision_files["maskrcnn_v2"]), norm="bn"), CLASSES + 1)
+    source = torch.load(torchvision_files["maskrcnn_v2"], weights_only=True)
+    own = model.state_dict()
+    for key in ("backbone.fpn.inner_blocks.0.1.running_var", "roi_heads.mask_head.3.1.weight",
+                "backbone.body.layer3.5.bn2.weight"):
+        assert torch.equal(own[key], source[key]), key
+    assert "--norm bn" not in caplog.text and "re-initialised (e.g. roi_heads.box_head.fc6" in caplog.text
 
 
 @pytest.mark.parametrize("flag,file,says", [
