@@ -32,7 +32,6 @@ from maskrcnn_tut.data.loader import (
 from maskrcnn_tut.data.shapes import ensure_shapes_dataset
 from maskrcnn_tut.engine import (
     TrainState,
-    autocast,
     build_optimizer,
     build_scheduler,
     configure_runtime,
@@ -90,8 +89,7 @@ def evaluate_checkpoint(cfg: Run, info: du.DistInfo, found: tuple[Path, dict] | 
         model.load_state_dict(found[1]["model"])
     coco_gt = coco_from_dict(val_set.ground_truth()) if info.is_main else None
     metrics = evaluate(model, build_eval_loader(val_set, cfg, info.rank, info.world_size), coco_gt, info.device,
-                       val_set.label_to_cat, amp_context=lambda: autocast(cfg, info.device),
-                       progress=info.is_main and cfg.progress)
+                       val_set.label_to_cat, progress=info.is_main and cfg.progress)
     if info.is_main:
         print(json.dumps(metrics))
     return metrics or {}
@@ -156,7 +154,7 @@ def run(settings: Config) -> dict:
     def run_eval() -> dict | None:
         same_model_on_every_rank(model)
         return evaluate(model, val_loader, coco_gt, device, val_set.label_to_cat,
-                        amp_context=lambda: autocast(cfg, device), progress=info.is_main and cfg.progress)
+                        progress=info.is_main and cfg.progress)
 
     if info.is_main:
         (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
