@@ -93,9 +93,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0, accel
         torch.set_num_threads(max(1, usable_cores() // local_world))
     if world_size > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
+        # nccl bound to this process's GPU at once: its errors surface here, not at the first
+        # collective, and barrier() does not have to guess the device (and warn)
+        bound = {"device_id": device} if backend == "nccl" else {}
         try:
             dist.init_process_group(backend, store=round_store(rank, world_size, timeout),
-                                    rank=rank, world_size=world_size, timeout=timeout)
+                                    rank=rank, world_size=world_size, timeout=timeout, **bound)
         except (dist.DistError, OSError) as err:  # TimeoutError is an OSError
             raise rendezvous_error(err, rank, world_size, timeout_s) from err
         # leave the group before the interpreter tears down: a process that exits while its store's

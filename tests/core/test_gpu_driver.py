@@ -87,3 +87,23 @@ def test_train_py_prints_the_one_line_and_exits_2(gpus_torch_cannot_use, capsys,
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(lines) == 1 and DRIVER in lines[0] and "--accelerator cpu" in lines[0]
+
+
+def test_nccl_binds_the_process_group_to_this_processs_gpu(monkeypatch):
+    """M1: `device_id` given to init_process_group for nccl (eager init, no device guess at barrier)."""
+    joined = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(du, "round_store", lambda rank, world, timeout: "store")
+    monkeypatch.setattr(du.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(du.dist, "init_process_group", lambda backend, **kwargs: joined.append((backend, kwargs)))
+    try:
+        info = du.init_distributed()
+    finally:
+        du.shutdown()
+    assert info.device == torch.device("cuda", 1)
+    assert joined[0][0] == "nccl" and joined[0][1]["device_id"] == torch.device("cuda", 1)
