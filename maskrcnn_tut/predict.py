@@ -87,8 +87,8 @@ def load_model(path: Path) -> tuple[torch.nn.Module, Config, dict, int | None]:
     cfg = Config(**{k: saved[k] for k in fields if k in saved})
     cfg = dataclasses.replace(cfg, weights=None, weights_backbone=None, sync_bn=False, compile_backbone=False)
     model = build_model(cfg, saved["num_classes"])
-    try:
-        model.load_state_dict(payload["model"])
+    try:  # a run with --compile-backbone saved its compiled parts' tensors under `_orig_mod.`
+        model.load_state_dict({k.replace("._orig_mod", ""): v for k, v in payload["model"].items()})
     except (RuntimeError, TypeError, AttributeError) as err:
         detail = [line.strip() for line in str(err).splitlines() if line.strip()][-1]  # the first is a header
         raise CheckpointError(f"{path}: its weights do not fit the model its config describes ({detail[:200]})") from None

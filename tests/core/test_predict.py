@@ -127,3 +127,15 @@ def test_an_interrupted_run_leaves_valid_json_of_the_batches_done(trained, small
         _predict("--checkpoint", str(trained), "--out", str(out), "--batch-size", "2", str(small_shapes / "val2017"))
     results = json.loads((out / "detections.json").read_text())  # the first batch, whole
     assert len({r["image_id"] for r in results}) == 2
+
+
+def test_a_checkpoint_of_a_compiled_backbone_loads(trained, small_shapes, tmp_path):
+    """--compile-backbone saves the compiled parts' tensors as `backbone._orig_mod.*` and `rpn.head._orig_mod.*`."""
+    payload = torch.load(trained, weights_only=True)
+    payload["model"] = {k.replace("backbone.", "backbone._orig_mod.").replace("rpn.head.", "rpn.head._orig_mod."): v
+                        for k, v in payload["model"].items()}
+    compiled = tmp_path / "compiled.pt"
+    torch.save(payload, compiled)
+    summary = _predict("--checkpoint", str(compiled), "--out", str(tmp_path / "out"), "--no-overlays",
+                       str(small_shapes / "val2017"))
+    assert summary["images"] == 4
