@@ -48,7 +48,8 @@ class TrainState:
 
 
 def configure_runtime(cfg, device: torch.device) -> None:
-    """cuDNN and determinism flags (chapter 6), and TF32 matmuls on Ampere and later GPUs."""
+    """cuDNN and determinism flags (chapter 6), and TF32 matmuls on Ampere and later GPUs; a warning
+    for bfloat16 on a GPU older than Ampere, which only emulates it."""
     torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -57,6 +58,10 @@ def configure_runtime(cfg, device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        if getattr(cfg, "precision", None) == "bfloat16" and torch.cuda.get_device_capability(device) < (8, 0):
+            log.warning("--amp-dtype bfloat16 on %s (compute capability %d.%d): GPUs before Ampere have no "
+                        "bfloat16 units, so torch emulates it, slower than fp32; use --amp-dtype float16",
+                        torch.cuda.get_device_name(device), *torch.cuda.get_device_capability(device))
 
 
 def autocast_dtype(cfg: Run) -> torch.dtype | None:

@@ -21,3 +21,25 @@ def test_accelerator_cpu_counts_as_no_gpu_for_the_gpu_only_settings(monkeypatch)
     with pytest.raises(ConfigError, match="--dist-backend nccl needs CUDA"):
         validate(make_config("cpu-tiny", accelerator="cpu", dist_backend="nccl"), cuda_available=True)
     validate(make_config("cpu-tiny", dist_backend="nccl"), cuda_available=True)
+
+
+def test_bfloat16_on_a_gpu_before_ampere_warns(monkeypatch, caplog):
+    """M9: torch emulates bf16 on V100/T4 (`is_bf16_supported` says yes), slower than fp32."""
+    from maskrcnn_tut.config import derive
+    from maskrcnn_tut.engine import configure_runtime
+
+    for flags, name in ((torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"),
+                        (torch.backends.cudnn, "benchmark")):
+        monkeypatch.setattr(flags, name, getattr(flags, name))  # restored after the test
+    capability = {"value": (7, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+    cuda = torch.device("cuda", 0)
+    bf16 = derive(make_config("cpu-tiny", amp=True, amp_dtype="bfloat16"), 1, cuda)
+    configure_runtime(bf16, cuda)
+    assert any("bfloat16" in r.getMessage() and "Tesla V100" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    configure_runtime(derive(make_config("cpu-tiny", amp=True, amp_dtype="float16"), 1, cuda), cuda)
+    capability["value"] = (9, 0)
+    configure_runtime(bf16, cuda)
+    assert not caplog.records
