@@ -53,6 +53,8 @@ SAVE_EVERY = 50
 
 @dataclasses.dataclass(frozen=True)
 class Item:
+    """One input image: where it is, the id its results carry, and its overlay's file name."""
+
     path: Path
     image_id: int
     overlay_name: str
@@ -204,6 +206,35 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--checkpoint {args.checkpoint}: no such file")
 
 
+def predict_shard(model, loader: DataLoader, run_facts, label_to_cat: dict[int, int], class_names: list[str],
+                  args: argparse.Namespace, out: Path, progress: bool) -> tuple[list[dict], list[int], Counter]:
+    """This rank's (COCO results, ids of the images predicted, skips by reason), overlays written
+    as it goes; a single process also rewrites detections.json every `SAVE_EVERY` batches."""
+    results, done, skipped = [], [], Counter()
+    device = run_facts.device
+    for batch_number, batch in enumerate(tqdm(loader, desc="predict", unit="batch", disable=not progress), 1):
+        for item, _, reason in (entry for entry in batch if entry[1] is None):
+            skipped[reason.split(" ")[0]] += 1
+            if sum(skipped.values()) <= LOGGED_SKIPS:
+                log.warning("skipped %s: %s", item.path, reason)
+        readable = [(item, image) for item, image, _ in batch if image is not None]
+        if not readable:
+            continue
+        images, _ = to_device([image for _, image in readable], [], device)
+        with autocast(run_facts, device):
+            outputs = model(images)
+        ids = [item.image_id for item, _ in readable]
+        results.extend(to_coco_results(outputs, ids, label_to_cat))
+        done.extend(ids)
+        if not args.no_overlays:
+            for (item, image), output in zip(readable, outputs):
+                overlay.save(overlay.draw(image, output, class_names, args.overlay_threshold),
+                             out / "overlays" / item.overlay_name)
+        if run_facts.world_size == 1 and batch_number % SAVE_EVERY == 0:
+            write_json(results, out / "detections.json")
+    return results, done, skipped
+
+
 def run(args: argparse.Namespace) -> dict | None:
     """Predict this rank's share of the images; rank 0 writes the outputs and returns a summary."""
     info = du.init_distributed("gloo" if args.device == "cpu" else None)
@@ -217,37 +248,14 @@ def run(args: argparse.Namespace) -> dict | None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if info.is_main:
-        log.info("%s (step %s, %s, %d classes): %d images on %d process(es), %s px", args.checkpoint,
-                 step, cfg.backbone,
-                 saved["num_classes"] - 1, len(items), info.world_size, f"{cfg.min_size}/{cfg.max_size}")
-    run_facts = derive(cfg, info.world_size, device)
+        log.info("%s (step %s, %s, %d classes, %d/%d px): %d images on %d process(es)", args.checkpoint, step,
+                 cfg.backbone, saved["num_classes"] - 1, cfg.min_size, cfg.max_size, len(items), info.world_size)
     shard = ImageFiles(items[info.rank::info.world_size], cfg.min_size, cfg.max_size)
     loader = DataLoader(shard, batch_size=args.batch_size, num_workers=args.workers, collate_fn=list)
-    results, done, skipped = [], [], Counter()
     started = time.perf_counter()
     with torch.inference_mode():
-        bar = tqdm(loader, desc="predict", unit="batch", disable=args.no_progress or not info.is_main)
-        for step, batch in enumerate(bar, 1):
-            for item, _, reason in (b for b in batch if b[1] is None):
-                kind = reason.split(" ")[0]
-                skipped[kind] += 1
-                if sum(skipped.values()) <= LOGGED_SKIPS:
-                    log.warning("skipped %s: %s", item.path, reason)
-            readable = [(item, image) for item, image, _ in batch if image is not None]
-            if not readable:
-                continue
-            images, _ = to_device([image for _, image in readable], [], device)
-            with autocast(run_facts, device):
-                outputs = model(images)
-            ids = [item.image_id for item, _ in readable]
-            results.extend(to_coco_results(outputs, ids, label_to_cat))
-            done.extend(ids)
-            if not args.no_overlays:
-                for (item, image), output in zip(readable, outputs):
-                    overlay.save(overlay.draw(image, output, saved["class_names"], args.overlay_threshold),
-                                 out / "overlays" / item.overlay_name)
-            if info.world_size == 1 and step % SAVE_EVERY == 0:
-                write_json(results, out / "detections.json")
+        results, done, skipped = predict_shard(model, loader, derive(cfg, info.world_size, device), label_to_cat,
+                                               saved["class_names"], args, out, info.is_main and not args.no_progress)
     seconds = time.perf_counter() - started
     gathered = gather_results(results, done)
     all_skipped = du.all_gather_objects(dict(skipped))
