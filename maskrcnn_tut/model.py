@@ -2,8 +2,10 @@
 
 Training from scratch needs normalization that learns: torchvision's default for pretrained
 backbones, `FrozenBatchNorm2d`, is an identity when its statistics are random. `--norm bn` (the
-default) uses trainable BatchNorm, `gn` GroupNorm, and `frozen` is only for `--weights` that carry
-real statistics. `--sync-bn` turns BatchNorm into SyncBatchNorm across processes.
+default) uses trainable BatchNorm, `gn` GroupNorm, and `frozen` is only for `--weights` or
+`--weights-backbone` that carry real statistics. `--sync-bn` turns BatchNorm into SyncBatchNorm across
+processes. Weights are the user's own local files, in torchvision's key layout: a whole Mask R-CNN
+(`load_weights`) or an ImageNet ResNet for the backbone alone (`load_backbone_weights`).
 """
 from __future__ import annotations
 

@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", required=True, help="a checkpoint train.py wrote (e.g. RUN/checkpoints/last.pt)")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--score-threshold", type=float, default=0.05,
-                        help="keep detections scoring at least this (default 0.05, as COCO evaluation does)")
+                        help="keep detections scoring above this (default 0.05, as COCO evaluation does)")
     parser.add_argument("--overlay-threshold", type=float, default=0.5,
                         help="draw detections scoring at least this on the overlays (default 0.5)")
     parser.add_argument("--max-detections", type=int, default=100, help="detections kept per image (default 100)")
