@@ -1,13 +1,22 @@
 """What only a GPU can show: fp16 with GradScaler, bf16, nccl, DDP in one process, cuDNN flags,
-pinned copies and per-GPU RNG in checkpoints. Skipped without CUDA; `pytest -m gpu` runs them
-on the GPU machine (tools/gpu_check.sh)."""
+pinned copies and per-GPU RNG in checkpoints; and, through the package's own entry points, the
+GPU findings of the static review: `wrap_ddp` under the launcher with accumulation (C1), a
+compiled run that evaluates and whose checkpoint `--test-only` loads (C2, C6), decode-on-device
+then a step (W1, W4) and the exact accumulation proof (C7). Skipped without CUDA; `pytest -m gpu`
+runs them on the GPU machine (tools/gpu_check.sh)."""
+import io
 import os
 
 import pytest
 import torch
+from conftest import run_flags, run_train
+from PIL import Image
+from torchvision.io import decode_jpeg
 
 from maskrcnn_tut import checkpoint as ckpt
+from maskrcnn_tut import distributed as du
 from maskrcnn_tut.config import derive, make_config
+from maskrcnn_tut.data.device_decode import Encoded, decode_batch
 from maskrcnn_tut.engine import (
     TrainState,
     build_optimizer,
@@ -15,7 +24,8 @@ from maskrcnn_tut.engine import (
     make_scaler,
     train_step,
 )
-from maskrcnn_tut.lab import processes
+from maskrcnn_tut.hardware import ddp_syncs_buffers
+from maskrcnn_tut.lab import processes, proofs
 from maskrcnn_tut.lab.synthetic import synthetic_batch
 from maskrcnn_tut.model import build_model
 
@@ -87,3 +97,74 @@ def test_checkpoint_rng_holds_only_this_gpu_and_restores_it():
     expected = torch.rand(3, device=DEVICE)
     ckpt.set_rng_state(state, DEVICE)
     assert torch.equal(torch.rand(3, device=DEVICE), expected)
+
+
+def ddp_steps_through_wrap_ddp(accum_steps: int) -> dict:
+    """Run inside `processes.launch`: two optimizer steps of `accum_steps` micro-steps through
+    `wrap_ddp` and `train_step`, as train.py trains; this rank's losses and DDP's buffer sync."""
+    info = du.info()
+    cfg = derive(make_config("cpu-tiny", accum_steps=accum_steps, broadcast_buffers=False), info.world_size,
+                 info.device)
+    torch.manual_seed(0)
+    model = du.wrap_ddp(build_model(cfg, 4).to(info.device), cfg, info)
+    optimizer, scaler, state, names = build_optimizer(model, cfg), make_scaler(cfg, info.device), TrainState(), []
+    batches = iter([synthetic_batch(128, 2, seed=10 * info.rank + i) for i in range(2 * accum_steps)])
+    losses = [train_step(model, optimizer, scaler, batches, cfg, info.device, state, names).loss for _ in range(2)]
+    return {"device": str(info.device), "losses": losses, "syncs_buffers": ddp_syncs_buffers(model)}
+
+
+def test_wrap_ddp_under_the_launcher_trains_with_accumulation():
+    result = processes.launch(ddp_steps_through_wrap_ddp, 2, 2, backend="gloo", timeout_s=240)
+    assert result["device"].startswith("cuda") and result["syncs_buffers"] is False
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in result["losses"])
+
+
+def test_a_compiled_run_evaluates_and_its_checkpoint_loads_without_the_flag(small_shapes, tmp_path):
+    out = tmp_path / "run"
+    compiled = run_train(*run_flags(small_shapes, out, "--preset", "cpu-tiny", "--max-steps", "2", "--fixed-shapes",
+                                    "--compile-backbone", "--eval-every", "1"), timeout=420)
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    assert not [key for key in ckpt.load(out / "checkpoints" / "last.pt")["model"] if "_orig_mod" in key]
+    scored = run_train(*run_flags(small_shapes, out, "--preset", "cpu-tiny", "--test-only", "--resume", "auto"),
+                       timeout=240)
+    assert scored.returncode == 0 and "bbox_AP" in scored.stdout, scored.stderr[-3000:]
+
+
+def _jpeg(seed: int, size=(160, 128)) -> torch.Tensor:
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(buffer, format="JPEG", quality=95)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _seeded_identity(image, target):
+    """Transforms that draw from the RNG as a random flip does, and change nothing."""
+    torch.rand(1)
+    return image, target
+
+
+def test_decode_on_device_then_a_step_keeps_the_cuda_rng_and_the_pixels():
+    cfg = derive(make_config("cpu-tiny", min_size=128, max_size=192), 1, DEVICE)
+    torch.manual_seed(0)
+    model = build_model(cfg, 4).to(DEVICE)
+    optimizer, scaler, state, names = build_optimizer(model, cfg), make_scaler(cfg, DEVICE), TrainState(), []
+    train_step(model, optimizer, scaler, iter([synthetic_batch(128, 2)]), cfg, DEVICE, state, names)  # queued work
+    data = [_jpeg(seed) for seed in range(4)]
+    targets = [{"boxes": torch.tensor([[10.0, 10, 60, 60]]), "labels": torch.tensor([1]),
+                "masks": torch.zeros(1, 128, 160, dtype=torch.uint8)} for _ in data]
+    for target in targets:
+        target["masks"][0, 10:60, 10:60] = 1
+    rng_before = torch.cuda.get_rng_state(DEVICE)
+    images, moved = decode_batch([Encoded(d, seed=k) for k, d in enumerate(data)], targets, _seeded_identity,
+                                 DEVICE, on_failure=lambda target, err: pytest.fail(str(err)))
+    assert torch.equal(torch.cuda.get_rng_state(DEVICE), rng_before)  # W4: the GPU's generator untouched
+    for image, raw in zip(images, data):
+        assert image.device == DEVICE
+        assert (image.int().cpu() - decode_jpeg(raw).int()).abs().float().mean() < 2  # nvJPEG vs libjpeg rounding
+    record = train_step(model, optimizer, scaler, iter([(images, moved)]), cfg, DEVICE, state, names)
+    assert torch.isfinite(torch.tensor(record.loss))
+
+
+def test_the_ddp_accumulation_proof_is_exact_on_the_gpu():
+    result = processes.launch(proofs.ddp_accumulation_check, 2, backend="gloo", timeout_s=240)
+    assert result["max_abs_diff"] < 1e-6, result
