@@ -89,8 +89,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0, accel
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, usable_cores() // local_world))
+    # each process its share of the cores, GPU or not: torch's default of one thread per core of the
+    # host ignores a cgroup quota (a pod with 8 CPUs on a 64-core node) and oversubscribes it
+    torch.set_num_threads(max(1, usable_cores() // local_world))
     if world_size > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         # nccl bound to this process's GPU at once: its errors surface here, not at the first

@@ -55,6 +55,10 @@ def configure_runtime(cfg, device: torch.device) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.deterministic = True
         torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
+        if device.type == "cuda":
+            log.warning("--deterministic on GPUs is best effort: CUDA ops without a deterministic kernel (the "
+                        "classification loss's among them) only warn, and torchvision swaps roi_align for a "
+                        "compiled pure-PyTorch version that costs a compile and memory")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -43,3 +43,18 @@ def test_bfloat16_on_a_gpu_before_ampere_warns(monkeypatch, caplog):
     capability["value"] = (9, 0)
     configure_runtime(bf16, cuda)
     assert not caplog.records
+
+
+def test_deterministic_on_a_gpu_says_it_is_best_effort(monkeypatch, caplog):
+    """W3: on CUDA `--deterministic` only warns for ops without a deterministic kernel."""
+    from maskrcnn_tut.config import derive
+    from maskrcnn_tut.engine import configure_runtime
+
+    for flags, name in ((torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"),
+                        (torch.backends.cudnn, "benchmark"), (torch.backends.cudnn, "deterministic")):
+        monkeypatch.setattr(flags, name, getattr(flags, name))
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode, warn_only=False: None)
+    cuda = torch.device("cuda", 0)
+    configure_runtime(derive(make_config("cpu-tiny", deterministic=True), 1, cuda), cuda)
+    assert any("best effort" in r.getMessage() for r in caplog.records)

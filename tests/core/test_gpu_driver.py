@@ -107,3 +107,20 @@ def test_nccl_binds_the_process_group_to_this_processs_gpu(monkeypatch):
         du.shutdown()
     assert info.device == torch.device("cuda", 1)
     assert joined[0][0] == "nccl" and joined[0][1]["device_id"] == torch.device("cuda", 1)
+
+
+def test_gpu_processes_get_their_share_of_the_cores_too(monkeypatch):
+    """S4: torch's default (a thread per host core) ignores the cgroup quota on GPU machines as well."""
+    threads = []
+    for name, value in dict(WORLD_SIZE="1", LOCAL_WORLD_SIZE="2", RANK="0", LOCAL_RANK="0").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(du, "usable_cores", lambda: 8)
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    try:
+        assert du.init_distributed().device == torch.device("cuda", 0)
+    finally:
+        du.shutdown()
+    assert threads == [4]
