@@ -1,16 +1,19 @@
 """COCO box and mask AP with pycocotools, over predictions gathered from every rank.
 
 Each rank predicts its own shard of the validation images (no sampler padding, so no duplicate
-predictions); rank 0 gathers the COCO-format results and runs `COCOeval` for `bbox` and `segm`.
+predictions); rank 0 gathers the COCO-format results and runs `COCOeval` for `bbox` and `segm`,
+while the others wait for its metrics in a gloo group with a long timeout of its own.
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import logging
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
@@ -113,6 +116,27 @@ def unpack_results(packed: dict) -> list[dict]:
     return results
 
 
+#: How long the other ranks wait for rank 0's COCO scoring: far beyond --dist-timeout, as scoring
+#: a large validation set alone can take an hour (a rank that dies still ends the job through torchrun).
+SCORING_WAIT = datetime.timedelta(hours=2)
+_scoring_groups: dict = {}
+
+
+def wait_for_score(metrics: dict[str, float] | None) -> dict[str, float] | None:
+    """Rank 0's metrics on every rank. The others wait in a gloo group of their own with its own long
+    timeout: waiting in the next step's all-reduce instead, NCCL's watchdog would end the whole job
+    once scoring took longer than --dist-timeout."""
+    if not dist.is_initialized():
+        return metrics
+    world = dist.group.WORLD
+    if world not in _scoring_groups:  # every rank evaluates together, so every rank creates it here
+        _scoring_groups.clear()
+        _scoring_groups[world] = dist.new_group(backend="gloo", timeout=SCORING_WAIT)
+    box = [metrics]
+    dist.broadcast_object_list(box, src=0, group=_scoring_groups[world])
+    return box[0]
+
+
 def gather_results(results: list[dict], image_ids: list[int]) -> tuple[list[dict], list[int]] | None:
     """Every rank's (results, image ids), concatenated in rank order, on rank 0; None elsewhere."""
     gathered = du.all_gather_objects((pack_results(results), np.asarray(image_ids, dtype=np.int64)))
@@ -146,8 +170,9 @@ def predict(model, loader, device, label_to_cat, progress=False):
     return results, image_ids
 
 
-def evaluate(model, loader, coco_gt: COCO, device, label_to_cat, progress: bool = False) -> dict[str, float] | None:
-    """Predict on every rank's shard (in fp32, `predict`), gather on rank 0 and score; None on other ranks."""
+def evaluate(model, loader, coco_gt: COCO | None, device, label_to_cat, progress: bool = False) -> dict[str, float]:
+    """Predict on every rank's shard (in fp32, `predict`), gather on rank 0 and score there; every
+    rank returns the metrics, once rank 0 has them (`wait_for_score`)."""
     module = du.unwrap(model)
     was_training = module.training
     module.eval()
@@ -156,9 +181,11 @@ def evaluate(model, loader, coco_gt: COCO, device, label_to_cat, progress: bool 
     finally:
         module.train(was_training)
     gathered = gather_results(results, image_ids)
-    if gathered is None:
-        return None
-    all_results, all_ids = gathered
+    return wait_for_score(None if gathered is None else score(coco_gt, *gathered))
+
+
+def score(coco_gt: COCO, all_results: list[dict], all_ids: list[int]) -> dict[str, float]:
+    """COCO box and mask AP of every rank's gathered results (rank 0 alone runs this)."""
     if len(all_ids) != len(set(all_ids)):
         raise RuntimeError("evaluation saw an image twice: the eval shards overlap")
     stats = prediction_stats(all_results, all_ids)
