@@ -116,7 +116,9 @@ _PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", 
 def peer_failure(err: BaseException) -> PeerFailure | None:
     """`err` as a `PeerFailure` when it means another rank died or hung; else None: a taken port, a
     socket that cannot listen or a name that does not resolve is no dead peer (`init_distributed`
-    raises those as a `RendezvousError`)."""
+    raises those as a `RendezvousError`). With nccl a dead or hung peer usually never reaches
+    Python: NCCL's watchdog aborts the process (SIGABRT) once --dist-timeout passes, and torchrun's
+    failure summary names the signal instead of this one line."""
     text = str(err)
     if isinstance(err, RendezvousError) or any(sign in text for sign in PORT_TAKEN_SIGNS + NETWORK_SIGNS) or (
             not isinstance(err, dist.DistError) and not any(sign in text for sign in _PEER_FAILURE_SIGNS)):
