@@ -34,9 +34,9 @@ from .config import Config, derive
 from .data.clean import category_labels, load_coco_json, resize_fails
 from .data.coco import read_rgb
 from .data.loader import dataset_paths, to_device
-from .engine import autocast
 from .errors import CheckpointError, ConfigError, DataError, UserError, print_error
 from .evaluate import gather_results, to_coco_results
+from .flags import add_flags
 from .model import build_model
 
 log = logging.getLogger("maskrcnn_tut.predict")
@@ -186,8 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=2, help="images per forward pass per process (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="decoding worker processes per process (default 2)")
     parser.add_argument("--no-overlays", action="store_true", help="write only the JSON files")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="default: each process's GPU when CUDA is available, else the CPU")
+    add_flags(parser, ["accelerator"], show_defaults=False)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -200,8 +199,6 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--score-threshold", args.score_threshold), ("--overlay-threshold", args.overlay_threshold)):
         if not 0 <= value <= 1:
             raise ConfigError(f"{flag} {value}: a score threshold is between 0 and 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible")
     if not Path(args.checkpoint).is_file():
         raise ConfigError(f"--checkpoint {args.checkpoint}: no such file")
 
@@ -221,8 +218,7 @@ def predict_shard(model, loader: DataLoader, run_facts, label_to_cat: dict[int, 
         if not readable:
             continue
         images, _ = to_device([image for _, image in readable], [], device)
-        with autocast(run_facts, device):
-            outputs = model(images)
+        outputs = model(images)  # fp32, as evaluate scores (autocast would round the decoded boxes)
         ids = [item.image_id for item, _ in readable]
         results.extend(to_coco_results(outputs, ids, label_to_cat))
         done.extend(ids)
@@ -237,8 +233,8 @@ def predict_shard(model, loader: DataLoader, run_facts, label_to_cat: dict[int, 
 
 def run(args: argparse.Namespace) -> dict | None:
     """Predict this rank's share of the images; rank 0 writes the outputs and returns a summary."""
-    info = du.init_distributed("gloo" if args.device == "cpu" else None)
-    device = torch.device("cpu") if args.device == "cpu" else info.device
+    info = du.init_distributed(accelerator=args.accelerator or "auto")
+    device = info.device
     paths = find_images(args.inputs)
     model, cfg, saved, step = load_model(Path(args.checkpoint))
     model.roi_heads.score_thresh, model.roi_heads.detections_per_img = args.score_threshold, args.max_detections
