@@ -10,7 +10,6 @@ removes). `last.pt` is a hard link to the newest numbered checkpoint. Loading us
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import random
@@ -252,11 +251,28 @@ def restore_training(payload: dict, optimizer, scheduler, scaler, info, run: Run
     return _resumed_position(TrainState(**payload["state"]), saved, run)
 
 
-def model_from_run(output_dir: Path | str):
-    """The model a `train.py` run saved: its config.json rebuilt, its last checkpoint loaded, in eval mode."""
-    out = Path(output_dir)
-    saved = json.loads((out / "config.json").read_text())
-    cfg = Config(**{f.name: saved[f.name] for f in dataclasses.fields(Config) if f.name in saved})
-    model = build_model(dataclasses.replace(cfg, weights=None, weights_backbone=None), saved["num_classes"])
-    model.load_state_dict(load(out / "checkpoints" / "last.pt")["model"])
-    return model.eval()
+def model_from_checkpoint(path: Path | str) -> tuple[torch.nn.Module, Config, dict, int | None]:
+    """(model in eval mode, its settings, the saved config, the step it was saved at) of a train.py
+    checkpoint: the model rebuilt at the settings it was trained with (no weights files, no
+    compilation), its tensors loaded; one `CheckpointError` line when the file holds something else."""
+    path = Path(path)
+    payload = load(path)
+    saved = payload.get("config")
+    if not isinstance(saved, dict) or "num_classes" not in saved or "class_names" not in saved:
+        raise CheckpointError(f"{path}: has no training config, so nothing says which model it holds; "
+                              "use a checkpoint written by train.py")
+    fields = {f.name for f in dataclasses.fields(Config)} - {"given"}
+    cfg = Config(**{k: saved[k] for k in fields if k in saved})
+    cfg = dataclasses.replace(cfg, weights=None, weights_backbone=None, sync_bn=False, compile_backbone=False)
+    model = build_model(cfg, saved["num_classes"])
+    try:  # a run with --compile-backbone once saved its compiled parts' tensors under `_orig_mod.`
+        model.load_state_dict({k.replace("._orig_mod", ""): v for k, v in payload["model"].items()})
+    except (RuntimeError, TypeError, AttributeError) as err:
+        detail = [line.strip() for line in str(err).splitlines() if line.strip()][-1]  # the first is a header
+        raise CheckpointError(f"{path}: its weights do not fit the model its config describes ({detail[:200]})") from None
+    return model.eval(), cfg, saved, payload["state"].get("step")
+
+
+def model_from_run(output_dir: Path | str) -> torch.nn.Module:
+    """The model a `train.py` run saved last, in eval mode."""
+    return model_from_checkpoint(Path(output_dir) / "checkpoints" / "last.pt")[0]

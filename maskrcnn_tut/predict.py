@@ -34,10 +34,9 @@ from .config import Config, derive
 from .data.clean import category_labels, load_coco_json, resize_fails
 from .data.coco import read_rgb
 from .data.loader import dataset_paths, to_device
-from .errors import CheckpointError, ConfigError, DataError, UserError, print_error
+from .errors import ConfigError, DataError, UserError, print_error
 from .evaluate import gather_results, to_coco_results
 from .flags import add_flags
-from .model import build_model
 
 log = logging.getLogger("maskrcnn_tut.predict")
 
@@ -76,25 +75,6 @@ def find_images(inputs: list[str]) -> list[Path]:
         else:
             raise DataError(f"{name}: no such file or directory")
     return list(found)
-
-
-def load_model(path: Path) -> tuple[torch.nn.Module, Config, dict, int | None]:
-    """(model in eval mode, its settings, the saved config, the step it was saved at) of a train.py checkpoint."""
-    payload = ckpt.load(path)
-    saved = payload.get("config")
-    if not isinstance(saved, dict) or "num_classes" not in saved or "class_names" not in saved:
-        raise CheckpointError(f"{path}: has no training config, so nothing says which model it holds; "
-                              "use a checkpoint written by train.py")
-    fields = {f.name for f in dataclasses.fields(Config)} - {"given"}
-    cfg = Config(**{k: saved[k] for k in fields if k in saved})
-    cfg = dataclasses.replace(cfg, weights=None, weights_backbone=None, sync_bn=False, compile_backbone=False)
-    model = build_model(cfg, saved["num_classes"])
-    try:  # a run with --compile-backbone saved its compiled parts' tensors under `_orig_mod.`
-        model.load_state_dict({k.replace("._orig_mod", ""): v for k, v in payload["model"].items()})
-    except (RuntimeError, TypeError, AttributeError) as err:
-        detail = [line.strip() for line in str(err).splitlines() if line.strip()][-1]  # the first is a header
-        raise CheckpointError(f"{path}: its weights do not fit the model its config describes ({detail[:200]})") from None
-    return model.eval(), cfg, saved, payload["state"].get("step")
 
 
 def val_index(cfg: Config, num_classes: int) -> tuple[dict[int, int], dict[str, int]]:
@@ -236,7 +216,7 @@ def run(args: argparse.Namespace) -> dict | None:
     info = du.init_distributed(accelerator=args.accelerator or "auto")
     device = info.device
     paths = find_images(args.inputs)
-    model, cfg, saved, step = load_model(Path(args.checkpoint))
+    model, cfg, saved, step = ckpt.model_from_checkpoint(args.checkpoint)
     model.roi_heads.score_thresh, model.roi_heads.detections_per_img = args.score_threshold, args.max_detections
     model.to(device)
     label_to_cat, known_ids = val_index(cfg, saved["num_classes"])
