@@ -15,7 +15,7 @@ a verdict from `wording`; the chapter keeps only its sentences. Nothing here mea
 from __future__ import annotations
 
 from . import wording
-from .bench import above, interval, machine_busy, spread_text
+from .bench import interval, machine_busy, spread_text
 from .bench.projection import devices_used
 from .bench.results import row_label
 from .wording import FASTER, NO_SPREAD, SLOWER, WITHIN_NOISE
@@ -70,9 +70,8 @@ def curve_against_paper(curve_top: dict, paper: list[dict], busy: bool) -> dict:
     n = curve_top["devices"]
     row = paper_row(paper, n, "measured here")
     bounds = (row["speedup not overlapped"], row["speedup overlapped"])
-    order = above(curve_top, bounds[0])
-    verdict = (BUSY if busy else ABOVE_DEVICES if above(curve_top, float(n)) == 1
-               else {1: FASTER, 0: WITHIN_NOISE, -1: SLOWER, None: NO_SPREAD}[order])
+    verdict = (BUSY if busy else ABOVE_DEVICES if wording.compare_to(curve_top, float(n)).verdict == FASTER
+               else wording.compare_to(curve_top, bounds[0]).verdict)
     return {"devices": n, "bounds": bounds, "verdict": verdict, "has spread": interval(curve_top, "speedup") is not None}
 
 

@@ -164,8 +164,9 @@ def imbalance(imbalanced: dict, balanced: dict) -> dict:
     came out no slower, which only noise can do) or NO_SPREAD (a rough figure)."""
     cost = imbalanced["step s"] / balanced["step s"] - 1
     runs = [timing_row(run["step s all"]) if run.get("step s all") else None for run in (balanced, imbalanced)]
-    order = versus(*runs) if all(runs) else None
-    verdict = {1: FASTER, 0: WITHIN_NOISE, -1: SLOWER, None: NO_SPREAD if cost > 0 else SLOWER}[order]
+    verdict = wording.compare(*runs).verdict if all(runs) else NO_SPREAD
+    if verdict == NO_SPREAD and cost <= 0:
+        verdict = SLOWER  # the uneven split no slower, without a spread: only noise does that
     forward = imbalanced["forward s per rank"]
     return {"cost": cost, "expected": max(imbalanced["batch per rank"]) / max(balanced["batch per rank"]) - 1,
             "forward ratio": max(forward) / min(forward), "warned": bool(imbalanced["warnings"]), "verdict": verdict}
