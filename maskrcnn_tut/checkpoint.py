@@ -5,7 +5,9 @@ A checkpoint is written to a temporary file, flushed and fsynced, then renamed o
 mid-save therefore leaves the previous checkpoint intact (and a temporary file the next save
 removes). `last.pt` is a hard link to the newest numbered checkpoint. Loading uses
 `torch.load(weights_only=True)`: a checkpoint cannot run code. `newest_loadable` is what
-`--resume auto` uses: the newest numbered checkpoint that loads, skipping broken ones with a warning.
+`--resume auto` uses: the newest numbered checkpoint that loads and holds what a resume restores
+(`check_resumable`), skipping broken ones with a warning; when there are checkpoints and none is
+usable it stops saying why each one is not, instead of silently starting over.
 """
 from __future__ import annotations
 
@@ -19,12 +21,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import distributed as du
 from .config import Config, Run
 from .engine import TrainState
 from .errors import CheckpointError
 from .model import build_model
 
 log = logging.getLogger(__name__)
+
+
+def _warn(message: str, *args) -> None:
+    """A warning from rank 0 only: every rank restores the same checkpoint and meets the same news."""
+    if du.info().is_main:
+        log.warning(message, *args)
+
 
 #: Settings that change the model's shapes or meaning: a checkpoint must agree on all of them.
 MODEL_KEYS = ("backbone", "norm", "sync_bn", "fpn_channels", "mask_head_layers", "mask_head_channels",
@@ -124,6 +134,13 @@ def numbered(ckpt_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def _first_line(err: Exception) -> str:
+    """The error's first line that is not torch's advice to load with `weights_only=False`: that is
+    the step that runs whatever code a file from elsewhere holds, so it is never repeated here."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip() and "weights_only" not in line]
+    return f"{type(err).__name__}: {lines[0][:200] if lines else 'empty, cut short or not a torch checkpoint file'}"
+
+
 def load(path: Path) -> dict:
     """Load a checkpoint safely; a truncated or foreign file raises `CheckpointError` naming it."""
     try:
@@ -131,19 +148,56 @@ def load(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: checkpoint not found") from None
     except Exception as err:  # truncated zip, not a torch file, unsafe pickle...
-        raise CheckpointError(f"{path}: cannot be loaded ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+        raise CheckpointError(f"{path}: cannot be loaded ({_first_line(err)})") from None
     if not isinstance(payload, dict) or "model" not in payload or "state" not in payload:
         raise CheckpointError(f"{path}: not a maskrcnn_tut checkpoint (no model/state entries)")
     return payload
 
 
-def newest_loadable(ckpt_dir: Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint in `ckpt_dir` that loads, warning about each one that does not."""
+#: Entries each element of a checkpoint's `rng` list has (`rng_state`).
+_RNG_KEYS = {"python", "numpy", "numpy_pos", "torch"}
+
+
+def check_resumable(payload: dict, path: Path) -> None:
+    """One line for a checkpoint that lacks what a resume restores (position, RNG streams, optimizer,
+    schedule and scaler state, model tensors that fit its config), before restoring starts."""
+    state, rngs = payload["state"], payload.get("rng")
+    fields = {f.name for f in dataclasses.fields(TrainState)}
+    if not isinstance(state, dict) or not all(k in fields and type(v) is int for k, v in state.items()):
+        raise CheckpointError(f"{path}: its training position ('state': {state!r}) "
+                              f"has other entries than the integers {sorted(fields)}, so it cannot be resumed from")
+    if not isinstance(rngs, list) or not rngs or not all(isinstance(r, dict) and _RNG_KEYS <= r.keys() for r in rngs):
+        raise CheckpointError(f"{path}: has no random generator states ('rng'), so it cannot be resumed from")
+    missing = [k for k in ("optimizer", "scheduler", "scaler") if not isinstance(payload.get(k), dict)]
+    if missing:
+        raise CheckpointError(f"{path}: has no {', '.join(missing)} state, so it cannot be resumed from")
+    saved = payload.get("config")
+    if isinstance(saved, dict) and "num_classes" in saved:  # without them `check_compatible` refuses it
+        with torch.device("meta"):  # shapes only: no memory, no initialization
+            model = _saved_model(saved, path)[0]
+        load_model_state(model, payload, path, assign=True)
+
+
+def newest_loadable(ckpt_dir: Path, resuming: bool = False) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads (and, `resuming`, passes `check_resumable`), warning about each
+    newer one; None when there are none; when none is usable, one line saying why for each."""
+    problems: list[CheckpointError] = []
     for path in numbered(ckpt_dir):
         try:
-            return path, load(path)
+            payload = load(path)
+            if resuming:
+                check_resumable(payload, path)
         except CheckpointError as err:
-            log.warning("--resume auto: %s; trying the previous checkpoint", err)
+            problems.append(err)
+            continue
+        for problem in problems:
+            _warn("--resume auto: %s; using an earlier checkpoint", problem)
+        return path, payload
+    if problems:
+        raise CheckpointError(f"--resume auto: none of the {len(problems)} checkpoints in {ckpt_dir} can be used ("
+                              + "; ".join(str(p).replace(f"{ckpt_dir}/", "") for p in problems)
+                              + "); move them away, or start over without --resume (the earlier run is then set "
+                              "aside whole in an earlier-<date-time> folder)")
     return None
 
 
@@ -156,13 +210,16 @@ def find_resume(resume: str | None, ckpt_dir: Path, test_only: bool = False) -> 
     if resume is None:
         return None
     if resume == "auto":
-        found = newest_loadable(ckpt_dir)
+        found = newest_loadable(ckpt_dir, resuming=not test_only)
         if found is None and test_only:
             raise CheckpointError(f"--test-only --resume auto: no checkpoint in {ckpt_dir} to evaluate")
         if found is None:
             log.info("--resume auto: no checkpoint in %s, starting fresh", ckpt_dir)
         return found
-    return Path(resume), load(Path(resume))
+    payload = load(Path(resume))
+    if not test_only:
+        check_resumable(payload, Path(resume))
+    return Path(resume), payload
 
 
 def inference_config(cfg: Config, payload: dict, path: Path) -> Config:
@@ -177,7 +234,8 @@ def inference_config(cfg: Config, payload: dict, path: Path) -> Config:
 
 
 def check_compatible(payload: dict, cfg: dict, path: Path) -> None:
-    """Refuse a checkpoint whose model or optimizer differs from this run's, saying what differs."""
+    """Refuse a checkpoint whose model, optimizer or training set (its count of usable images, which
+    `--allow-data-change` lets differ with a warning) differs from this run's, saying what differs."""
     saved = payload.get("config")
     if not isinstance(saved, dict):
         raise CheckpointError(f"--resume: {path} has no config, so nothing says which model it holds; "
@@ -190,6 +248,13 @@ def check_compatible(payload: dict, cfg: dict, path: Path) -> None:
                               "in another --output-dir")
     if cfg.get("test_only"):
         return
+    before, now = saved.get("usable_train_images"), cfg.get("usable_train_images")
+    if None not in (before, now) and before != now:
+        if not cfg.get("allow_data_change"):
+            raise CheckpointError(f"--resume: the training set changed since {path} was saved ({before} usable images "
+                                  f"then, {now} now), so its place in the epoch points at other images; restore the "
+                                  "data, or give --allow-data-change to go on with it")
+        _warn("--resume --allow-data-change: %d usable training images, %d when the checkpoint was saved", now, before)
     if not isinstance(saved.get("derived"), dict):
         raise CheckpointError(f"--resume: {path} was saved by an earlier version of maskrcnn_tut (its config has no "
                               "derived run facts), so its place and lr cannot carry over; start fresh in another "
@@ -213,8 +278,8 @@ def _resumed_position(state: TrainState, saved: dict, run: Run) -> TrainState:
                               f"{before} images per micro-step; this run's {now} (--batch-size {run.batch_size} x "
                               f"{run.world_size} processes) cannot continue at that place without repeating or "
                               "skipping images: resume with a batch that divides it, or after the epoch ends")
-    log.warning("--resume: %d images per micro-step instead of %d: continuing %d images into epoch %d",
-                now, before, consumed, state.epoch)
+    _warn("--resume: %d images per micro-step instead of %d: continuing %d images into epoch %d",
+          now, before, consumed, state.epoch)
     return dataclasses.replace(state, batch_in_epoch=consumed // now)
 
 
@@ -227,28 +292,62 @@ def _apply_lr(optimizer, scheduler, saved_lr: float, lr: float) -> None:
     for group, factor in zip(optimizer.param_groups, factors):
         group["lr"] = lr * factor
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-    log.warning("--resume: lr %.4g (this run) instead of the checkpoint's %.4g, from step %d on",
-                lr, saved_lr, scheduler.last_epoch)
+    _warn("--resume: lr %.4g (this run) instead of the checkpoint's %.4g, from step %d on",
+          lr, saved_lr, scheduler.last_epoch)
 
 
 def restore_training(payload: dict, optimizer, scheduler, scaler, info, run: Run) -> TrainState:
     """Optimizer, schedule (at this run's scaled lr), GradScaler, position (in this run's batch
-    units) and this rank's RNG streams from a checkpoint that `check_compatible` accepted."""
+    units) and this rank's RNG streams from a checkpoint that `check_compatible` accepted; state
+    that does not fit this run's optimizer is one `CheckpointError` line."""
     saved = payload["config"]
-    optimizer.load_state_dict(payload["optimizer"])
-    scheduler.load_state_dict(payload["scheduler"])
+    try:
+        optimizer.load_state_dict(payload["optimizer"])
+        scheduler.load_state_dict(payload["scheduler"])
+        if scaler.is_enabled() and not payload["scaler"]:
+            _warn("resuming a run without fp16 GradScaler state with fp16 autocast: the scaler starts afresh")
+        else:
+            scaler.load_state_dict(payload["scaler"])
+    except (KeyError, ValueError, TypeError, RuntimeError) as err:
+        raise CheckpointError(f"--resume: the checkpoint's optimizer, schedule or scaler state does not fit this "
+                              f"run ({_first_line(err)})") from None
     _apply_lr(optimizer, scheduler, saved["derived"]["scaled_lr"], run.scaled_lr)
-    if scaler.is_enabled() and not payload["scaler"]:
-        log.warning("resuming a run without fp16 GradScaler state with fp16 autocast: the scaler starts afresh")
-    else:
-        scaler.load_state_dict(payload["scaler"])
     rngs = payload["rng"]
     if len(rngs) == info.world_size:
         set_rng_state(rngs[info.rank], info.device)
-    elif info.is_main:
-        log.warning("resuming on %d processes from a %d-process checkpoint: RNG streams reseeded",
-                    info.world_size, len(rngs))
+    else:
+        _warn("resuming on %d processes from a %d-process checkpoint: RNG streams reseeded", info.world_size, len(rngs))
     return _resumed_position(TrainState(**payload["state"]), saved, run)
+
+
+def _settings(saved: dict) -> Config:
+    """The settings a checkpoint's model was built with, for rebuilding it here: no weights files,
+    no SyncBatchNorm (one process), no compilation."""
+    fields = {f.name for f in dataclasses.fields(Config)} - {"given"}
+    cfg = Config(**{k: saved[k] for k in fields if k in saved})
+    return dataclasses.replace(cfg, weights=None, weights_backbone=None, sync_bn=False, compile_backbone=False)
+
+
+def _saved_model(saved: dict, path: Path) -> tuple[torch.nn.Module, Config]:
+    """(the model a checkpoint's config describes, its settings), built here; one `CheckpointError`
+    line when this version cannot build it (a config from another version or program)."""
+    cfg = _settings(saved)
+    try:
+        return build_model(cfg, saved["num_classes"]), cfg
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{path}: its config describes no model this version builds "
+                              f"({_first_line(err)})") from None
+
+
+def load_model_state(model: torch.nn.Module, payload: dict, path: Path, assign: bool = False) -> None:
+    """The checkpoint's model tensors into `model` (strict), or one `CheckpointError` line saying
+    what does not fit. Keys a run with --compile-backbone once saved under `_orig_mod.` are accepted."""
+    try:
+        model.load_state_dict({k.replace("._orig_mod", ""): v for k, v in payload["model"].items()}, assign=assign)
+    except (RuntimeError, TypeError, AttributeError) as err:
+        problems = [line.strip() for line in str(err).splitlines() if line.strip()][-3:]  # the first is a header
+        raise CheckpointError(f"{path}: its model tensors do not fit the model its config describes "
+                              f"({' '.join(problems)[:300]})") from None
 
 
 def model_from_checkpoint(path: Path | str) -> tuple[torch.nn.Module, Config, dict, int | None]:
@@ -261,15 +360,8 @@ def model_from_checkpoint(path: Path | str) -> tuple[torch.nn.Module, Config, di
     if not isinstance(saved, dict) or "num_classes" not in saved or "class_names" not in saved:
         raise CheckpointError(f"{path}: has no training config, so nothing says which model it holds; "
                               "use a checkpoint written by train.py")
-    fields = {f.name for f in dataclasses.fields(Config)} - {"given"}
-    cfg = Config(**{k: saved[k] for k in fields if k in saved})
-    cfg = dataclasses.replace(cfg, weights=None, weights_backbone=None, sync_bn=False, compile_backbone=False)
-    model = build_model(cfg, saved["num_classes"])
-    try:  # a run with --compile-backbone once saved its compiled parts' tensors under `_orig_mod.`
-        model.load_state_dict({k.replace("._orig_mod", ""): v for k, v in payload["model"].items()})
-    except (RuntimeError, TypeError, AttributeError) as err:
-        detail = [line.strip() for line in str(err).splitlines() if line.strip()][-1]  # the first is a header
-        raise CheckpointError(f"{path}: its weights do not fit the model its config describes ({detail[:200]})") from None
+    model, cfg = _saved_model(saved, path)
+    load_model_state(model, payload, path)
     return model.eval(), cfg, saved, payload["state"].get("step")
 
 

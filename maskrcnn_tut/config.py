@@ -21,9 +21,14 @@ import torch
 
 from .errors import ConfigError
 
-#: The global batch the presets' learning rates are tuned for; `--lr` is scaled by
-#: global_batch / REFERENCE_BATCH (the linear scaling rule of Goyal et al., 2017).
+#: The global batch the presets' learning rates are tuned for; `--lr` is scaled from it to the run's
+#: global batch by the rule `--lr-scaling` names (`lr_scale`).
 REFERENCE_BATCH = 8
+
+#: `--lr-scaling auto`'s rule for each optimizer: linear for SGD (Goyal et al., 2017), the square root
+#: for AdamW, whose update size does not grow with the gradient's (Malladi et al., "On the SDEs and
+#: Scaling Rules for Adaptive Gradient Algorithms", 2022).
+AUTO_LR_SCALING = {"sgd": "linear", "adamw": "sqrt"}
 
 #: Each preset as its differences from the dataclass defaults, which are cpu-tiny's.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -41,12 +46,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     # x0.1 at 16/26 and 22/26 of training, DDP's own 25 MB buckets. Where it differs, and why:
     # - no pretrained backbone is downloaded, so it trains from scratch: GroupNorm instead of
     #   BatchNorm (2 images per GPU are too few for batch statistics; He et al., "Rethinking
-    #   ImageNet Pre-training", 2019), and 72 epochs (6x torchvision's 26 for an ImageNet backbone,
-    #   the schedule He et al. needed from scratch). With --weights the preset freezes BatchNorm
-    #   (norm frozen) and torchvision's 26 epochs are the right length.
+    #   ImageNet Pre-training", 2019), and 72 epochs (He et al.'s 6x schedule, 6 x 12 epochs, which
+    #   they needed from scratch; torchvision's 26 epochs assume an ImageNet backbone). With --weights
+    #   the preset freezes BatchNorm (norm frozen) and torchvision's 26 epochs are the right length.
     # - AMP on (torchvision's --amp is off by default): fp16 autocast with GradScaler.
-    # - cudnn.benchmark off (as Detectron2): the mask head sees a different number of RoIs every
-    #   step, so autotuning never settles even with fixed image sizes; the bench measures it.
+    # - cudnn.benchmark off (Detectron2's default too): every new input shape is autotuned once, and
+    #   varied image sizes and the mask head's varying RoI count bring new shapes for thousands of
+    #   steps before the set is exhausted; chapter 6 measures what it costs and gains.
+    # - 4 DataLoader workers per process (torchvision's -j 4), not more: 8 processes of a node already
+    #   need 40 cores for them; chapter 3 says how to divide a machine's cores.
     "gpu-r50": dict(
         backbone="resnet50", norm="gn", min_size=800, max_size=1333,
         fpn_channels=256, mask_head_layers=4, mask_head_channels=256, box_head_dim=1024,
@@ -54,7 +62,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         rpn_pre_nms_top_n=2000, rpn_post_nms_top_n=2000,
         rpn_batch_size_per_image=256, box_batch_size_per_image=512,
         batch_size=2, max_steps=None, epochs=72, optimizer="sgd", lr=0.01,
-        warmup_steps=1000, lr_decay="steps", workers=8, amp=True, bucket_cap_mb=25.0,
+        warmup_steps=1000, lr_decay="steps", workers=4, amp=True, bucket_cap_mb=25.0,
     ),
 }
 
@@ -83,8 +91,7 @@ class Config:
     # model
     preset: str | None = setting(
         None, f"hardware preset ({', '.join(PRESETS)}); default: gpu-r50 with CUDA, else cpu-tiny")
-    backbone: str = setting("resnet18", "ResNet FPN backbone",
-                            choices=("resnet18", "resnet34", "resnet50", "resnet101"))
+    backbone: str = setting("resnet18", "FPN backbone", choices=("resnet18", "resnet34", "resnet50", "resnet101"))
     norm: str = setting("bn", "normalization: bn (trainable, from scratch), frozen (only with pretrained "
                               "--weights), gn", choices=("bn", "frozen", "gn"))
     sync_bn: bool = setting(False, "convert BatchNorm to SyncBatchNorm across processes")
@@ -110,10 +117,12 @@ class Config:
     max_steps: int | None = setting(450, "stop after this many optimizer steps (overrides --epochs)", bound=">0")
     optimizer: str = setting("adamw", "optimizer", choices=("adamw", "sgd"))
     lr: float = setting(
-        2e-3, f"learning rate for a global batch of {REFERENCE_BATCH} images; scaled linearly to the actual "
-              "global batch (batch-size x accum-steps x processes): Goyal et al.'s rule for SGD; for AdamW only "
-              "a heuristic (square-root scaling is the common alternative), so retune --lr when the global "
-              "batch changes much", bound=">0")
+        2e-3, f"learning rate for a global batch of {REFERENCE_BATCH} images, scaled to the actual global batch "
+              "(batch-size x accum-steps x processes) by --lr-scaling", bound=">0")
+    lr_scaling: str = setting(
+        "auto", "how --lr follows the global batch: linear (Goyal et al.'s rule for SGD), sqrt (the square "
+                "root, the usual rule for AdamW), none; auto: linear for sgd, sqrt for adamw. Rules of thumb "
+                "both: retune --lr when the global batch changes much", choices=("auto", "linear", "sqrt", "none"))
     momentum: float = setting(0.9, "SGD momentum")
     weight_decay: float = setting(1e-4, "weight decay", bound=">=0")
     warmup_steps: int = setting(50, "linear warm-up length in optimizer steps", bound=">=0")
@@ -170,8 +179,9 @@ class Config:
     print_freq: int = setting(10, "log metrics every N optimizer steps", bound=">0")
     output_dir: str | None = setting(None, "where config.json, metrics.jsonl, eval.jsonl, checkpoints/ and "
                                            "TensorBoard go (default: runs/train)")
-    resume: str | None = setting(None, "checkpoint to resume from, or 'auto' for the newest good one in "
-                                       "--output-dir")
+    resume: str | None = setting(None, "checkpoint to resume from, or 'auto' for the newest good one in --output-dir")
+    allow_data_change: bool = setting(False, "with --resume: go on although the training set's count of usable "
+                                             "images changed since the checkpoint (else such a resume stops)")
     test_only: bool = setting(False, "only evaluate the --resume/--weights model")
     checkpoint_every: int = setting(100, "save a checkpoint every N optimizer steps (and at the end)", bound=">0")
     keep_checkpoints: int = setting(2, "numbered checkpoints to keep besides last.pt", bound=">0")
@@ -198,15 +208,16 @@ def value_type(f: dataclasses.Field) -> type:
     return {"int": int, "float": float, "bool": bool}.get(str(f.type).split(" | ")[0], str)
 
 
-def default_preset() -> str:
-    """The preset the hardware calls for: `gpu-r50` when CUDA is visible, else `cpu-tiny`."""
-    return "gpu-r50" if torch.cuda.is_available() else "cpu-tiny"
+def default_preset(accelerator: str = "auto") -> str:
+    """The preset the hardware calls for: `gpu-r50` when CUDA is visible and not declined with
+    `--accelerator cpu`, else `cpu-tiny`."""
+    return "gpu-r50" if accelerator != "cpu" and torch.cuda.is_available() else "cpu-tiny"
 
 
 def resolve(cfg: Config, explicit: set[str] | None = None) -> Config:
     """Fill `cfg` from its preset, keeping every field named in `explicit` (set by the user)."""
     explicit = explicit or set()
-    preset = cfg.preset or default_preset()
+    preset = cfg.preset or default_preset(cfg.accelerator)
     if preset not in PRESETS:
         raise ConfigError(f"--preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     cfg.preset = preset
@@ -246,7 +257,7 @@ class Run:
     device: torch.device
     #: images per optimizer step over all processes: batch_size x accum_steps x world_size
     global_batch: int = field(init=False)
-    #: the user's lr (for REFERENCE_BATCH images) scaled linearly to the global batch
+    #: the user's lr (for REFERENCE_BATCH images) scaled to the global batch (`lr_scale`)
     scaled_lr: float = field(init=False)
     #: the autocast dtype: "float32" unless --amp; then --amp-dtype, else float16 on CUDA, bfloat16 on CPU
     precision: str = field(init=False)
@@ -263,7 +274,7 @@ class Run:
         if cfg.amp:
             precision = cfg.amp_dtype or ("float16" if device.type == "cuda" else "bfloat16")
         facts = dict(settings=cfg, device=device, global_batch=global_batch, precision=precision,
-                     scaled_lr=cfg.lr * global_batch / REFERENCE_BATCH,
+                     scaled_lr=cfg.lr * lr_scale(cfg, global_batch),
                      pin_memory=device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory)
         for name, value in facts.items():
             object.__setattr__(self, name, value)
@@ -282,6 +293,13 @@ class Run:
     def to_dict(self) -> dict[str, Any]:
         """The settings, and the derived facts under "derived" (config.json, checkpoints, --print-config)."""
         return self.settings.to_dict() | {"derived": self.facts()}
+
+
+def lr_scale(cfg: Config, global_batch: int) -> float:
+    """The factor `--lr` is multiplied by for `global_batch` images per step under `--lr-scaling`."""
+    rule = AUTO_LR_SCALING[cfg.optimizer] if cfg.lr_scaling == "auto" else cfg.lr_scaling
+    ratio = global_batch / REFERENCE_BATCH
+    return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
 
 
 def derive(cfg: Config, world_size: int, device: torch.device | str) -> Run:
@@ -375,8 +393,7 @@ def _check_paths(cfg: Config) -> None:
         raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (use --resume auto to "
                           "resume from the newest checkpoint in --output-dir)")
     if cfg.output_dir is not None:
-        out = Path(cfg.output_dir)
-        probe = out
+        probe = Path(cfg.output_dir)
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         if probe.exists() and (not probe.is_dir() or not os.access(probe, os.W_OK)):

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -103,6 +104,15 @@ def lr_schedule(warmup_steps: int, total_steps: int, decay: str = "cosine") -> C
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
     """`lr_schedule` as a LambdaLR over `total_steps` optimizer steps."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.warmup_steps, total_steps, cfg.lr_decay))
+
+
+def advance_schedule(scheduler) -> None:
+    """One schedule step per step of the loop, stepped or skipped (fp16 overflow, --skip-nonfinite):
+    the lr stays a function of the step number, as in torchvision, and the run ends on the planned lr.
+    So torch's warning about a first step the optimizer skipped ("before optimizer.step()") is noise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+        scheduler.step()
 
 
 def build_optimizer(model: nn.Module, cfg: Run) -> torch.optim.Optimizer:
@@ -206,7 +216,7 @@ class StepRecord:
     iter_time: float
     rank_forward_times: list[float] = field(default_factory=list)  # each rank's own forward seconds
     skipped: bool = False
-    stop_requested: bool = False  # some rank was asked to stop (SIGTERM): every rank knows after this step
+    stop_requested: bool = False  # some rank was asked to stop (preemption): every rank knows after this step
 
 
 def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, device, state: TrainState,

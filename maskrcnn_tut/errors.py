@@ -75,8 +75,8 @@ class PeerFailure(UserError):
 
 
 class Preempted(UserError):
-    """SIGTERM arrived (a scheduler's preemption): the run saved a checkpoint after the current step
-    on every rank and stopped; nonzero, so a scheduler restarts it rather than calling it done."""
+    """SIGTERM or SIGUSR1 arrived (a scheduler's preemption or time-limit warning): the run saved a
+    checkpoint after the current step on every rank and stopped; nonzero, so a scheduler restarts it."""
 
     exit_code = 143
 

@@ -77,7 +77,7 @@ def build_model(cfg, num_classes: int) -> MaskRCNN:
     if cfg.channels_last:
         model.backbone = model.backbone.to(memory_format=torch.channels_last)
     if cfg.compile_backbone:
-        compile_backbone(model, "cuda" if torch.cuda.is_available() else "cpu")
+        compile_backbone(model, "cuda" if cfg.accelerator != "cpu" and torch.cuda.is_available() else "cpu")
     return model
 
 

@@ -19,9 +19,11 @@ one step for a notebook's live view); `read_jsonl` reads the file back.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import statistics
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -79,20 +81,76 @@ def metrics_row(records: Sequence, global_batch: int, device: torch.device) -> d
             "max_mem_mb": peak_memory_mb(device), "skipped_steps": sum(r.skipped for r in records)}
 
 
+class JsonlLog:
+    """Rows appended to a JSON-lines file whole or not at all: a failed write (a full disk) is cut
+    back to the last whole row and retried with the next row, so no row is lost if space returns;
+    one warning when writing stops, one at `close` for rows never written. Training goes on."""
+
+    def __init__(self, path: Path):
+        self.path, self.pending = path, []
+
+    def append(self, row: dict) -> None:
+        self.pending.append(json.dumps(row) + "\n")
+        try:
+            with open(self.path, "ab", buffering=0) as f:
+                size, data = f.tell(), memoryview("".join(self.pending).encode())
+                try:
+                    while data:
+                        data = data[f.write(data):]
+                except OSError:
+                    with contextlib.suppress(OSError):  # no half row: a resume could not read it
+                        f.truncate(size)
+                    raise
+        except OSError as err:
+            if len(self.pending) == 1:
+                log.warning("%s: cannot be written (%s): its rows wait and are written when they can be",
+                            self.path, err.strerror or err)
+            return
+        self.pending.clear()
+
+    def close(self) -> None:
+        if self.pending:
+            log.warning("%s: %d rows (steps %s to %s) could not be written", self.path, len(self.pending),
+                        json.loads(self.pending[0]).get("step"), json.loads(self.pending[-1]).get("step"))
+
+
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard's writer thread stores a failed write (a full disk) for the main thread and then
+    re-raises it, which prints a thread traceback; `MetricsLogger` reports it as one warning instead."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if not (type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError)):
+            previous(args)
+
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook
+
+
 def tensorboard_writer(folder: Path, purge_step: int):
     """A TensorBoard `SummaryWriter`, or None and one warning where the `tensorboard` package is not
-    installed (hub images and `--no-deps` installs): metrics.jsonl carries every scalar anyway."""
+    installed (hub images and `--no-deps` installs) or `folder` cannot be written (a full or
+    read-only disk): metrics.jsonl carries every scalar anyway."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         log.warning("the tensorboard package is not installed: metrics go to metrics.jsonl only "
                     "(pip install tensorboard for its charts)")
         return None
-    return SummaryWriter(str(folder), purge_step=purge_step)
+    _quiet_tensorboard_thread()
+    try:
+        return SummaryWriter(str(folder), purge_step=purge_step)
+    except OSError as err:
+        log.warning("%s: cannot be written (%s): metrics go to metrics.jsonl only", folder, err.strerror or err)
+        return None
 
 
 class MetricsLogger:
-    """Window-averaged step metrics (`metrics_row`) to `metrics.jsonl`, TensorBoard and a tqdm bar (rank 0 only)."""
+    """Window-averaged step metrics (`metrics_row`) to `metrics.jsonl`, TensorBoard and a tqdm bar
+    (rank 0 only). A disk that fills up costs TensorBoard (one warning, metrics.jsonl goes on) and
+    delays metrics.jsonl's rows (`JsonlLog`), never the run."""
 
     def __init__(self, output_dir: Path | None, total_steps: int, start_step: int, global_batch: int,
                  device: torch.device, print_freq: int, progress: bool, tensorboard: bool = True):
@@ -100,12 +158,27 @@ class MetricsLogger:
         self.print_freq = print_freq
         self.window: list = []
         self.history: list[dict] = []
-        self.metrics_file = open(output_dir / "metrics.jsonl", "a") if output_dir else None
+        self.metrics_log = JsonlLog(output_dir / "metrics.jsonl") if output_dir else None
+        self.eval_log = JsonlLog(output_dir / "eval.jsonl") if output_dir else None
         self.writer = None
         if output_dir and tensorboard:
             self.writer = tensorboard_writer(output_dir / "tensorboard", purge_step=start_step + 1)
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", disable=not progress,
                         dynamic_ncols=True)
+
+    def _to_tensorboard(self, scalars: dict, step: int) -> None:
+        """`scalars` as TensorBoard scalars at `step`; a failed write ends TensorBoard for the run with one warning."""
+        if self.writer is None:
+            return
+        try:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
+        except OSError as err:
+            log.warning("%s: cannot be written (%s): metrics go to metrics.jsonl only from step %d on",
+                        self.output_dir / "tensorboard", err.strerror or err, step)
+            with contextlib.suppress(OSError):
+                self.writer.close()
+            self.writer = None
 
     def __call__(self, record) -> None:
         self.window.append(record)
@@ -119,32 +192,26 @@ class MetricsLogger:
         row = metrics_row(self.window, self.global_batch, self.device)
         self.window.clear()
         self.history.append(row)
-        if self.metrics_file:
-            self.metrics_file.write(json.dumps(row) + "\n")
-            self.metrics_file.flush()
-        if self.writer:
-            for key, value in row.items():
-                if key not in ("step", "epoch"):
-                    self.writer.add_scalar(f"train/{key}", value, row["step"])
+        if self.metrics_log:
+            self.metrics_log.append(row)
+        self._to_tensorboard({f"train/{k}": v for k, v in row.items() if k not in ("step", "epoch")}, row["step"])
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", img_s=f"{row['img_per_s']:.1f}",
                              data=f"{100 * row['data_time'] / row['iter_time']:.0f}%")
 
     def log_eval(self, step: int, metrics: dict) -> None:
-        if self.output_dir:
-            with open(self.output_dir / "eval.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
-        if self.writer:
-            for key, value in metrics.items():
-                self.writer.add_scalar(f"eval/{key}", value, step)
+        if self.eval_log:
+            self.eval_log.append({"step": step, **metrics})
+        self._to_tensorboard({f"eval/{k}": v for k, v in metrics.items()}, step)
         self.bar.write(f"step {step}: " + "  ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
 
     def close(self) -> None:
         self.flush()
         self.bar.close()
-        if self.metrics_file:
-            self.metrics_file.close()
+        if self.metrics_log:
+            self.metrics_log.close()
         if self.writer:
-            self.writer.close()
+            with contextlib.suppress(OSError):  # its last scalars: metrics.jsonl has them
+                self.writer.close()
 
 
 # --------------------------------------------------------------------------- stragglers

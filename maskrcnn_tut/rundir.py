@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -28,6 +29,7 @@ RUN_ENTRIES = {"config.json": False, "metrics.jsonl": False, "eval.jsonl": False
 LOG_FILES = ("metrics.jsonl", "eval.jsonl")
 LOCK_NAME = ".lock"
 
+log = logging.getLogger(__name__)
 _held = []  # open lock files of this process (the lock lasts as long as the file stays open)
 
 
@@ -92,16 +94,31 @@ def set_aside_earlier_run(out: Path) -> Path | None:
     return aside
 
 
+def _row(line: str) -> dict | None:
+    """A log line's row, or None for a line that is not a whole JSON object (a write cut short)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def drop_replayed_rows(out: Path, step: int) -> int:
-    """Remove rows after `step` from the run's JSON-lines logs; returns how many were removed."""
+    """Remove rows after `step` from the run's JSON-lines logs, and lines that are no whole row (cut
+    short by a full disk or a kill; one warning); returns how many rows after `step` were removed."""
     removed = 0
     for name in LOG_FILES:
         path = out / name
         if not path.is_file():
             continue
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
-        removed += len(lines) - len(kept)
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        rows = [(line, _row(line)) for line in lines]
+        broken = [number for number, (_, row) in enumerate(rows, 1) if row is None]
+        if broken:
+            log.warning("%s: dropped %d line(s) that are no whole JSON row (line %s; a write cut short by a "
+                        "full disk or a kill)", path, len(broken), ", ".join(map(str, broken[:5])))
+        kept = [line for line, row in rows if row is not None and row.get("step", 0) <= step]
+        removed += len(lines) - len(broken) - len(kept)
         if len(kept) != len(lines):
             path.write_text("".join(line + "\n" for line in kept))
     return removed

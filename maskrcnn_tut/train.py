@@ -9,9 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from maskrcnn_tut.data.loader import (
 from maskrcnn_tut.data.shapes import ensure_shapes_dataset
 from maskrcnn_tut.engine import (
     TrainState,
+    advance_schedule,
     build_optimizer,
     build_scheduler,
     configure_runtime,
@@ -43,6 +42,7 @@ from maskrcnn_tut.evaluate import coco_from_dict, evaluate
 from maskrcnn_tut.flags import parse_args
 from maskrcnn_tut.model import build_model
 from maskrcnn_tut.monitor import MetricsLogger, StragglerCheck, img_per_s_wall
+from maskrcnn_tut.preemption import StopRequest
 
 log = logging.getLogger("maskrcnn_tut")
 
@@ -59,14 +59,6 @@ def prepare_paths(settings: Config, info: du.DistInfo) -> Config:
         data_path = str(ensure_shapes_dataset(**shapes, progress=False))
     output_dir = du.broadcast_object(settings.output_dir or str(Path("runs") / "train"))
     return dataclasses.replace(settings, data_path=data_path, output_dir=output_dir, dist_backend=info.backend)
-
-
-def stop_on_sigterm() -> threading.Event:
-    """An event SIGTERM sets (instead of killing the process mid-step), when this is the main thread."""
-    event = threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: event.set())
-    return event
 
 
 def same_model_on_every_rank(model) -> None:
@@ -86,7 +78,7 @@ def evaluate_checkpoint(cfg: Run, info: du.DistInfo, found: tuple[Path, dict] | 
     if found is not None:
         ckpt.check_compatible(found[1], cfg.to_dict() | {"num_classes": val_set.num_classes,
                                                          "class_names": val_set.class_names}, found[0])
-        model.load_state_dict(found[1]["model"])
+        ckpt.load_model_state(model, found[1], found[0])
     coco_gt = coco_from_dict(val_set.ground_truth()) if info.is_main else None
     metrics = evaluate(model, build_eval_loader(val_set, cfg, info.rank, info.world_size), coco_gt, info.device,
                        val_set.label_to_cat, progress=info.is_main and cfg.progress)
@@ -115,7 +107,8 @@ def run(settings: Config) -> dict:
     train_set, val_set = build_datasets(cfg)
     if cfg.overfit:
         train_set, val_set = train_set.first(cfg.overfit), train_set.first(cfg.overfit)  # no flips: memorize these
-    cfg_dict = cfg.to_dict() | {"num_classes": train_set.num_classes, "class_names": train_set.class_names}
+    cfg_dict = cfg.to_dict() | {"num_classes": train_set.num_classes, "class_names": train_set.class_names,
+                                "usable_train_images": len(train_set)}  # a resume over changed data stops
     if info.is_main:
         for name, ds in (("train", train_set), ("val", val_set)):
             log.info("%s data %s: %d images; %s", name, ds.ann_file, len(ds), ds.report.summary())
@@ -137,7 +130,7 @@ def run(settings: Config) -> dict:
     if found is not None:
         path, payload = found
         ckpt.check_compatible(payload, cfg_dict, path)
-        model.load_state_dict(payload["model"])
+        ckpt.load_model_state(model, payload, path)
         state = ckpt.restore_training(payload, optimizer, scheduler, scaler, info, cfg)
         if info.is_main:
             log.info("resumed from %s at step %d (epoch %d)", path, state.step, state.epoch)
@@ -171,50 +164,56 @@ def run(settings: Config) -> dict:
                       state.step, cfg.keep_checkpoints)
 
     # the loop: one optimizer step (engine.train_step: accum_steps micro-batches), then the
-    # schedule, the log, and checkpoints and evaluation when they are due; SIGTERM (what SLURM and
-    # Kubernetes send before they kill) saves after the current step on every rank, then stops
+    # schedule, the log, and checkpoints and evaluation when they are due. A scheduler's signal
+    # (preemption.StopRequest) saves after the current step on every rank, then stops; during the
+    # final evaluation, whose step is saved already, it stops at once
     started = time.perf_counter()
     start_step = state.step
     batches = batch_stream(train_loader, state)
     term_names: list[str] = []
-    sigterm = stop_on_sigterm()
-    model.train()
-    try:
-        while state.step < total_steps:
-            record = train_step(model, optimizer, scaler, batches, cfg, device, state, term_names,
-                                stop_requested=sigterm.is_set())
-            scheduler.step()
-            logger(record)
-            stragglers(record)
-            if record.step % cfg.checkpoint_every == 0 or record.step == total_steps or record.stop_requested:
-                save_checkpoint()
-            if record.stop_requested:
-                raise Preempted(f"stopped by SIGTERM after step {record.step}: checkpoint saved in {ckpt_dir}; "
-                                "continue with --resume auto")
-            if cfg.eval_every and record.step % cfg.eval_every == 0 and record.step < total_steps:
-                metrics = run_eval()
-                if info.is_main:
-                    logger.log_eval(record.step, metrics)
-    finally:
-        logger.close()
-    train_time = time.perf_counter() - started
+    with StopRequest() as stop:
+        model.train()
+        try:
+            while state.step < total_steps:
+                record = train_step(model, optimizer, scaler, batches, cfg, device, state, term_names,
+                                    stop_requested=stop.cause is not None)
+                advance_schedule(scheduler)
+                logger(record)
+                stragglers(record)
+                if record.step % cfg.checkpoint_every == 0 or record.step == total_steps or record.stop_requested:
+                    save_checkpoint()
+                if record.stop_requested:
+                    raise Preempted(f"stopped {stop.agreed_cause()} after step {record.step}: checkpoint saved "
+                                    f"in {ckpt_dir}; continue with --resume auto")
+                if cfg.eval_every and record.step % cfg.eval_every == 0 and record.step < total_steps:
+                    metrics = run_eval()
+                    if info.is_main:
+                        logger.log_eval(record.step, metrics)
+        finally:
+            logger.close()
+        train_time = time.perf_counter() - started
 
-    # summary: the final evaluation, and what the run did
-    metrics = run_eval()
-    if info.is_main:
-        logger.log_eval(state.step, metrics)
-        images = (state.step - start_step) * cfg.global_batch
-        summary = {"steps": state.step, "wall_s": round(time.perf_counter() - started, 1),
-                   "img_per_s_wall": round(img_per_s_wall(images, train_time), 2),
-                   "nonfinite_skipped": state.nonfinite_skipped, "scaler_skipped": state.scaler_skipped,
-                   "load_failed": train_set.report.counts["load_failed"],
-                   "val_load_failed": val_set.report.counts["load_failed"], **metrics}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"done: {state.step} steps in {summary['wall_s']} s, {summary['img_per_s_wall']} img/s "
-              + "(wall time, mid-run evaluations and checkpoint saves included); "
-              + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-              + f"; images that failed to decode: {summary['load_failed']} train, {summary['val_load_failed']} val"
-              + f"; outputs in {out}")
+        # summary: the final evaluation, and what the run did
+        final = f"at the final evaluation: step {state.step}, the last, is saved in {ckpt_dir}; --resume auto scores it"
+        with stop.at_once(final):
+            cause = stop.agreed_cause()  # a signal during the last save
+            if cause:
+                raise Preempted(f"stopped {cause} {final}")
+            metrics = run_eval()
+        if info.is_main:
+            logger.log_eval(state.step, metrics)
+            images = (state.step - start_step) * cfg.global_batch
+            summary = {"steps": state.step, "wall_s": round(time.perf_counter() - started, 1),
+                       "img_per_s_wall": round(img_per_s_wall(images, train_time), 2),
+                       "nonfinite_skipped": state.nonfinite_skipped, "scaler_skipped": state.scaler_skipped,
+                       "load_failed": train_set.report.counts["load_failed"],
+                       "val_load_failed": val_set.report.counts["load_failed"], **metrics}
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            print(f"done: {state.step} steps in {summary['wall_s']} s, {summary['img_per_s_wall']} img/s "
+                  + "(wall time, mid-run evaluations and checkpoint saves included); "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+                  + f"; images that failed to decode: {summary['load_failed']} train, {summary['val_load_failed']} val"
+                  + f"; outputs in {out}")
     return metrics or {}
 
 
@@ -237,7 +236,7 @@ def report(err: UserError, rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done; 2 bad settings, data or checkpoint; 3 non-finite loss; 4 another rank
-    failed; 143 stopped by SIGTERM after saving a checkpoint."""
+    failed; 143 stopped by SIGTERM, SIGUSR1 or the end of torchrun after saving a checkpoint."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     rank = du.env_world()[0]
     if rank != 0:

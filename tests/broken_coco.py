@@ -109,6 +109,11 @@ def _plant_file_problems(split: _Split) -> None:
     data = (split.image_dir / "truncated.png").read_bytes()
     (split.image_dir / "truncated.png").write_bytes(data[: len(data) // 2])
     split.add_image("truncated.png", image.size, instances, usable=False, expect=("truncated_image",))
+    (split.image_dir / "folder.png").mkdir()  # a pipe is planted by the test of the scan (copytree refuses one)
+    split.add_image("folder.png", image.size, instances, usable=False, expect=("not_a_file",))
+    # 1 bit per pixel: a 24 KB file of 200 megapixels
+    split.save(Image.new("1", (20_000, 10_000)), "bomb.png")
+    split.add_image("bomb.png", image.size, instances, usable=False, expect=("too_many_pixels",))
 
     for mode in ("L", "RGBA", "P"):
         image, instances = split.render()

@@ -43,6 +43,20 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+@pytest.fixture
+def backend_flags():
+    """Restores torch's TF32, cuDNN benchmark and determinism flags after a test that sets them (pytest's
+    monkeypatch cannot undo them on torch < 2.9, where they are attributes of module-like objects)."""
+    import torch
+
+    flags = [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"),
+             (torch.backends.cudnn, "benchmark"), (torch.backends.cudnn, "deterministic")]
+    saved = [getattr(owner, name) for owner, name in flags]
+    yield
+    for (owner, name), value in zip(flags, saved):
+        setattr(owner, name, value)
+
+
 @pytest.fixture(scope="session")
 def shapes(tmp_path_factory):
     """`shapes(n_train, n_val)`: the root of a shapes dataset in COCO layout, written once per size."""

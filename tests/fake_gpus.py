@@ -13,15 +13,18 @@ import torch
 class FakeNvml:
     """`gpus` GPUs. NVML GPU i is 10 x i % busy and uses i + 1 GiB of 80; the GPUs in `sick` have
     3 uncorrected ECC errors, 91 °C and thermal throttling; `nvlinks` maps a GPU to its active
-    links (each GPU has 4)."""
+    links (each GPU has 4); the GPUs in `exclusive` are in EXCLUSIVE_PROCESS compute mode."""
 
     NVML_NVLINK_MAX_LINKS = 6
     NVML_FEATURE_ENABLED = 1
+    NVML_COMPUTEMODE_DEFAULT = 0
+    NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = 3
     NVMLError = RuntimeError
 
-    def __init__(self, gpus: int = 8, sick: frozenset[int] = frozenset(), nvlinks: dict[int, int] | None = None):
+    def __init__(self, gpus: int = 8, sick: frozenset[int] = frozenset(), nvlinks: dict[int, int] | None = None,
+                 exclusive: frozenset[int] = frozenset()):
         self.uuids = [f"GPU-{i:08x}-1111-2222-3333-{i:012x}" for i in range(gpus)]
-        self.sick, self.nvlinks = sick, nvlinks or {}
+        self.sick, self.nvlinks, self.exclusive = sick, nvlinks or {}, exclusive
         self.open = 0  # nvmlInit minus nvmlShutdown calls
 
     def nvmlInit(self):
@@ -55,6 +58,9 @@ class FakeNvml:
         if link >= 4:
             raise self.NVMLError("no such link")
         return int(link < self.nvlinks.get(handle[1], 0))
+
+    def nvmlDeviceGetComputeMode(self, handle):
+        return 3 if handle[1] in self.exclusive else 0
 
     def nvmlDeviceGetTemperature(self, handle, sensor):
         return 91 if handle[1] in self.sick else 50

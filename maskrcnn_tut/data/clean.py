@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from ..errors import DataError
 from ..hardware import usable_cores
@@ -36,7 +37,10 @@ PROBLEMS: dict[str, str] = {
     "bad_file_name": "image dropped, never opened (file_name absolute, leading out of the image folder "
                      "with '..', or too long for the filesystem)",
     "missing_image": "image dropped (file not found)",
+    "not_a_file": "image dropped, never read (a folder, pipe, socket or device, not a regular file)",
     "unreadable_image": "image dropped (not an image file Pillow can open)",
+    "too_many_pixels": f"image dropped, never decoded (over {2 * Image.MAX_IMAGE_PIXELS:,} pixels, twice "
+                       "Pillow's PIL.Image.MAX_IMAGE_PIXELS: a decompression bomb, or too large to train on)",
     "truncated_image": "image dropped (the file ends early or its pixel data is corrupt)",
     "converted_mode": "converted to 8-bit RGB (grayscale, palette, RGBA, CMYK, 16-bit, float)",
     "exif_rotated": "pixels turned upright by the EXIF orientation; annotations read as upright",
@@ -102,12 +106,17 @@ def _is_id(value) -> bool:
 def load_coco_json(path: Path | str) -> dict:
     """Parse and shape-check a COCO json; a `DataError` names the file and what is wrong."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # reading a pipe would wait for a writer forever
+        raise DataError(f"{path}: not a regular file (a folder, pipe or device), so not an annotation file")
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise DataError(f"{path}: annotation file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DataError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:  # Python's parser stops at the recursion limit (1000 levels by default)
+        raise DataError(f"{path}: lists or objects nested deeper than Python's JSON parser allows; a COCO file "
+                        "nests a few levels, so this one is damaged or not COCO") from None
     except OSError as err:
         raise DataError(f"{path}: cannot be read ({err.strerror})") from None
     if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("images", "annotations", "categories")):

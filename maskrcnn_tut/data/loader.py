@@ -9,7 +9,12 @@ decode inside worker processes, and turns a worker's `DataError` into the same o
 """
 from __future__ import annotations
 
+import atexit
 import bisect
+import multiprocessing
+import multiprocessing.util  # registers the exit hook that `_end_workers_at_exit` must run before
+import shutil
+import signal
 from pathlib import Path
 from typing import Iterator
 
@@ -20,11 +25,13 @@ from torch.utils.data import (
     RandomSampler,
     SequentialSampler,
     Subset,
+    get_worker_info,
 )
 from torchvision.transforms import v2
 
 from ..config import require_run
-from ..errors import DataError
+from ..errors import ConfigError, DataError
+from ..preemption import STOP_SIGNALS
 from .coco import LOAD_FAILED_KEY, CocoDetection, coco_paths
 from .device_decode import decode_batch
 from .shapes import default_cache_dir
@@ -36,8 +43,17 @@ def train_transforms() -> v2.Transform:
 
 
 def collate(batch):
-    """Detection batches are lists: images differ in size and targets in instance count."""
-    return tuple(zip(*batch))
+    """Detection batches are lists: images differ in size and targets in instance count. In a worker
+    the tensors move to shared memory here, so that a full /dev/shm raises in the worker and reaches
+    the rank (`iterate`): in the queue's feeder thread it only prints and drops the batch, and the
+    rank waits for it forever."""
+    columns = tuple(zip(*batch))
+    if get_worker_info() is not None:
+        for item in (item for column in columns for item in column):
+            for value in item.values() if isinstance(item, dict) else [item]:
+                if isinstance(value, torch.Tensor):
+                    value.share_memory_()
+    return columns
 
 
 def to_device(images, targets, device: torch.device, non_blocking: bool = False):
@@ -100,6 +116,23 @@ class ResumableBatches(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
+
+
+#: The job's signals: SLURM sends them to every process, torchrun to each rank's process group.
+_JOB_SIGNALS = {*STOP_SIGNALS, signal.SIGINT}
+
+
+@atexit.register
+def _end_workers_at_exit() -> None:
+    """At exit multiprocessing ends daemonic children (the loader workers) with SIGTERM, then waits for
+    them; workers block SIGTERM (`iterate`), so a process leaving a loader alive would wait forever:
+    end them with SIGKILL first (atexit runs this before multiprocessing's hook, registered earlier),
+    once torch's SIGCHLD handler, which would report each as a failed worker, is set aside."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in workers:
+        child.kill()
 
 
 def loader_kwargs(workers: int, pin_memory: bool, persistent_workers: bool, prefetch_factor: int) -> dict:
@@ -207,13 +240,28 @@ def _worker_message(err: DataError) -> str:
     return last.split(marker, 1)[1] if marker in last else last
 
 
+def _out_of_shared_memory() -> ConfigError:
+    usage = shutil.disk_usage("/dev/shm") if Path("/dev/shm").is_dir() else None
+    space = f" ({usage.free / 2**20:.1f} of {usage.total / 2**20:.1f} MiB free)" if usage else ""
+    return ConfigError(f"DataLoader workers ran out of shared memory, /dev/shm{space}: use --workers 0, or give the "
+                       "job a bigger /dev/shm (docker --shm-size, a Kubernetes emptyDir with medium: Memory)")
+
+
 def iterate(loader: DataLoader) -> Iterator:
     """The loader's batches, with the decode failures that samples carry (`LOAD_FAILED_KEY`)
     stripped from the targets and counted in the dataset's `report` here, in the main process (a
-    worker's copy of the report is never read), and a worker's `DataError` as one line."""
+    worker's copy of the report is never read), and a worker's `DataError` or a full /dev/shm as one
+    line. The workers start with the job's signals blocked and keep them so: their rank handles
+    them (finishes the step, saves), and they end with it (torch's watchdog) or with their loader;
+    torch's own handler would end a worker on SIGTERM and fail its rank mid-step."""
     dataset = _base_dataset(loader.dataset)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS)  # inherited by the workers forked here
     try:
-        for batch in loader:
+        batches = iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    try:
+        for batch in batches:
             for target in batch[1]:
                 failures = target.pop(LOAD_FAILED_KEY, None)
                 if failures:
@@ -222,7 +270,25 @@ def iterate(loader: DataLoader) -> Iterator:
                 batch = decode_batch(*batch, dataset.transforms, dataset.decode_device, dataset.record_device_failure)
             yield batch
     except DataError as err:
+        _end_workers(loader, batches)
         raise DataError(_worker_message(err)) from None
+    except RuntimeError as err:
+        _end_workers(loader, batches)
+        if "shared memory" not in str(err):
+            raise
+        raise _out_of_shared_memory() from None
+
+
+def _end_workers(loader: DataLoader, batches) -> None:
+    """End a failed iterator's workers now. The error's traceback holds the iterator in a reference
+    cycle (and the loader keeps persistent workers' iterator), so they would live on until a garbage
+    collection: in a notebook, beside the next processes it starts. torch's own shutdown, as
+    PyTorch Lightning calls it; absent with `workers=0`."""
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    if getattr(loader, "_iterator", None) is batches:
+        loader._iterator = None
 
 
 def batch_stream(loader: DataLoader, state) -> Iterator:

@@ -7,6 +7,8 @@ start-up scan of COCO's 118k files stays cheap; problems are counted in a `DataR
 from __future__ import annotations
 
 import errno
+import os
+import stat
 from pathlib import Path, PurePosixPath
 
 from PIL import Image
@@ -62,20 +64,30 @@ def probe_image(path: Path, report, image_id, verify_pixels: bool) -> tuple[int,
 
     Reads the header, and decodes the pixels only when the file does not end like a complete PNG
     or JPEG (or when `verify_pixels`), so a start-up scan of COCO stays cheap (one open per file).
+    The open does not wait (`O_NONBLOCK`): a pipe, socket or device is counted as `not_a_file`
+    without a read, where a plain open of a pipe would wait forever for a writer.
     """
     try:
-        f = open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as err:
         if err.errno == errno.ENAMETOOLONG:
             report.add("bad_file_name", image_id)
         elif err.errno in (errno.ENOENT, errno.ENOTDIR):
             report.add("missing_image", image_id)
-        else:  # a folder, no permission, an I/O error: there, but not an image file to read
+        else:  # no permission, an I/O error: there, but not an image file to read
             report.add("unreadable_image", image_id)
         return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, pipe, socket or device
+        os.close(fd)
+        report.add("not_a_file", image_id)
+        return None
+    f = os.fdopen(fd, "rb")
     with f:
         try:
             img = Image.open(f)
+        except Image.DecompressionBombError:
+            report.add("too_many_pixels", image_id)
+            return None
         except Exception:  # Pillow raises many types for files it cannot identify
             report.add("unreadable_image", image_id)
             return None

@@ -25,6 +25,8 @@ from shapely.geometry import LineString, Polygon
 from shapely.ops import split
 from tqdm.auto import tqdm
 
+from ..errors import ConfigError
+
 CATEGORIES = [
     {"id": 1, "name": "square", "supercategory": "shape"},
     {"id": 2, "name": "circle", "supercategory": "shape"},
@@ -174,22 +176,26 @@ def ensure_shapes_dataset(n_train: int = 2000, n_val: int = 200, seed: int = 0,
     """Generate the shapes dataset once (deterministic by seed) and return its COCO root.
 
     Written to a temporary folder and renamed into place, so concurrent callers and interrupted
-    runs never see a half-written dataset.
+    runs never see a half-written dataset. A folder that cannot be written (read-only, full) is
+    one `ConfigError` naming it and `MASKRCNN_TUT_CACHE`.
     """
     final = Path(root) if root is not None else shapes_root(n_train, n_val, seed)
     if (final / "annotations" / "instances_val2017.json").exists():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
     staging = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    write_split(staging, "train", n_train, seed, progress)
-    write_split(staging, "val", n_val, seed, progress)
-    if final.exists() and not any(final.iterdir()):
-        final.rmdir()
     try:
-        os.rename(staging, final)
-    except OSError:  # another process finished first, or the folder holds something else
+        final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
-        if not (final / "annotations" / "instances_val2017.json").exists():
-            raise
+        write_split(staging, "train", n_train, seed, progress)
+        write_split(staging, "val", n_val, seed, progress)
+        if final.exists() and not any(final.iterdir()):
+            final.rmdir()
+        os.rename(staging, final)
+    except OSError as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        if (final / "annotations" / "instances_val2017.json").exists():
+            return final  # another process finished first
+        raise ConfigError(f"{final.parent}: cannot write the shapes dataset there ({err.strerror or err}); set "
+                          "MASKRCNN_TUT_CACHE to a writable folder, or train on your own data with "
+                          "--data-path") from None
     return final

@@ -7,6 +7,7 @@
   replaced by `torch.autocast` / `torch.amp.GradScaler(device)`, so it runs on a CPU too).
 - `article_errors()`: that branch on torchvision's Mask R-CNN and on the toy detector, each error
   it raises, as one line.
+- `reference_recipe()`: the `gpu-r50` preset beside torchvision's reference recipe, setting by setting.
 - `missing_zero_grad()`: the branch with the loss summed (so it runs) but still without
   `zero_grad`, over steps on one batch at lr 0, against `engine.train_step`; with GradScaler off
   (bf16, fp32) gradients pile up; with it on, its in-place unscale hides that, until one
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import distributed as du
-from ..config import make_config
+from ..config import lr_scale, make_config
 from .machine import environment_report
 from .proofs import TinyDetector, toy_batches
 from .rig import build_rig, synthetic_batches
@@ -214,6 +215,40 @@ def stack_today(report: list[dict] | None = None) -> list[dict]:
         {"the article": "numpy / pillow", "today": "installed with torchvision", "this machine":
          f"numpy {_version('numpy')}, pillow {_version('pillow')}; Python {have.get('Python', '')}"},
     ]
+
+
+#: torchvision's detection reference for Mask R-CNN R50-FPN (references/detection), quoted: its README's
+#: command (`--epochs 26 --lr-steps 16 22 --aspect-ratio-group-factor 3 --weights-backbone
+#: ResNet50_Weights.IMAGENET1K_V1`) and train.py's defaults (`-b 2` images and `-j 4` workers per GPU, `--lr
+#: 0.02` for 8 GPUs x 2 images, momentum 0.9, `--wd 1e-4` with `--norm-weight-decay` unset, so on every
+#: parameter, a linear warm-up over the first 1000 iterations, `--amp` off).
+TORCHVISION_REFERENCE = {
+    "backbone at the start": "ImageNet weights", "normalization": "frozen BatchNorm", "epochs": 26,
+    "images per GPU": 2, "lr for 16 images": 0.02, "momentum": 0.9, "weight decay": "0.0001 on every parameter",
+    "warm-up": "1000 steps", "lr decay": "x0.1 at 16/26 and 22/26", "aspect-ratio grouping": "factor 3",
+    "AMP": "off", "DataLoader workers per process": 4,
+}
+
+
+def reference_recipe() -> list[dict]:
+    """`gpu-r50` beside torchvision's reference recipe (`TORCHVISION_REFERENCE`), setting by setting,
+    from the preset itself: what it shares and where it differs (chapters 0 and 2; config.py's
+    comments on the preset say why)."""
+    cfg = make_config("gpu-r50")
+    mine = {
+        "backbone at the start": f"local file {cfg.weights_backbone}" if cfg.weights_backbone else
+        "random: trained from scratch (nothing is downloaded)",
+        "normalization": {"gn": "GroupNorm", "frozen": "frozen BatchNorm", "bn": "BatchNorm"}[cfg.norm],
+        "epochs": cfg.epochs, "images per GPU": cfg.batch_size,
+        "lr for 16 images": round(cfg.lr * lr_scale(cfg, 16), 6), "momentum": cfg.momentum,
+        "weight decay": f"{cfg.weight_decay:g} on weights, none on norms and biases",
+        "warm-up": f"{cfg.warmup_steps} steps",
+        "lr decay": "x0.1 at 16/26 and 22/26" if cfg.lr_decay == "steps" else cfg.lr_decay,
+        "aspect-ratio grouping": f"factor {cfg.aspect_ratio_group_factor}" if cfg.aspect_ratio_group_factor > 0
+        else "off", "AMP": "on" if cfg.amp else "off", "DataLoader workers per process": cfg.workers,
+    }
+    return [{"setting": name, "torchvision's reference (quoted)": quoted, "gpu-r50": mine[name],
+             "same": quoted == mine[name]} for name, quoted in TORCHVISION_REFERENCE.items()]
 
 
 def _version(package: str) -> str:

@@ -247,7 +247,11 @@ def _health(nvml, handle) -> dict:
                   _nvml_value(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle))
     max_gen, max_width = (_nvml_value(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
                           _nvml_value(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle))
+    exclusive = _nvml_value(nvml.nvmlDeviceGetComputeMode, handle) == 3  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
     problems = []
+    if exclusive:
+        problems.append("EXCLUSIVE_PROCESS compute mode: one process at a time, so worker processes cannot "
+                        "use it while a notebook kernel holds it")
     if ecc:
         problems.append(f"{ecc} uncorrected ECC errors since the driver loaded: drain this GPU")
     # idle (0x1) and applications-clocks setting (0x2) are normal; the rest slows the GPU
@@ -263,7 +267,7 @@ def _health(nvml, handle) -> dict:
             "power limit W": limit / 1000 if limit is not None else None,
             "memory used MiB": memory.used / 2**20 if memory else None,
             "memory MiB": memory.total / 2**20 if memory else None,
-            "uncorrected ECC": ecc, "PCIe": f"gen {gen} x{width}" if gen else None,
+            "uncorrected ECC": ecc, "PCIe": f"gen {gen} x{width}" if gen else None, "exclusive": exclusive,
             "ok": not problems, "finding": "; ".join(problems) or "healthy"}
 
 
@@ -280,6 +284,16 @@ def gpu_health(nvml=None, cuda_devices: Sequence[int] | None = None) -> list[dic
                     for cuda, number, handle in cuda_handles(session, cuda_devices)]
     except GpuUnavailable:
         return []
+
+
+def exclusive_gpu_held(nvml=None) -> int | None:
+    """The CUDA index of this process's GPU when the process holds a CUDA context on it and it is in
+    EXCLUSIVE_PROCESS compute mode (any other process's first CUDA call there then fails), else None."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    current = torch.cuda.current_device()
+    held = [gpu["gpu"] for gpu in gpu_health(nvml, [current]) if gpu["exclusive"]]
+    return held[0] if held else None
 
 
 def nvlink_links(cuda_devices: Sequence[int], nvml=None) -> list[int] | None:

@@ -2,6 +2,11 @@
 
 `health_advice(rows, gpus)` reads rows with the keys of `metrics.jsonl` (`monitor.read_jsonl`) and,
 where there are GPUs, a `gpus.GPUSampler`; each check says ok, fix (and what to do) or n/a.
+
+Memory is judged by the run's own peak (`max_mem_mb`: on a GPU the caching allocator's
+`max_memory_allocated`, on a CPU the process's peak resident memory) against the device. NVML's
+"memory used" (what `nvidia-smi` shows) is only reported beside it: it adds the allocator's cache,
+the CUDA context and every other process on the GPU, so a healthy run can sit at 95 % of it.
 """
 from __future__ import annotations
 
@@ -53,8 +58,8 @@ def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,
                   total_memory_mb: float | None = None) -> HealthReport:
     """Check metric rows (and GPU samples) against the article's healthy ranges.
 
-    GPU utilization 70-90 %, data time below compute time, peak memory below 90 % of the device
-    (the GPU's memory from NVML, else `total_memory_mb`, else this machine's RAM).
+    GPU utilization 70-90 %, data time below compute time, the run's peak memory below 90 % of the
+    device (the smallest sampled GPU, else `total_memory_mb`, else this process's device).
     """
     if not rows:
         raise ValueError("health_advice needs at least one metric row (train a few steps first)")
@@ -73,7 +78,8 @@ def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,
         util = gpu["util_mean"]
         if util < low:
             advice = ("the GPU waits: usually for data (raise --workers, keep pin_memory on) or for the "
-                      "CPU to launch small kernels (raise --batch-size, use --amp)")
+                      "CPU to launch small kernels (raise --batch-size, or launch fewer with --compile-backbone; "
+                      "--amp shortens kernels, so it would leave the GPU idler still)")
         elif util > high:
             advice = ("no idle gaps; utilization counts time with any kernel running, so check SM activity "
                       "(DCGM) or a trace before calling it saturated; then more speed comes from less work per "
@@ -93,20 +99,22 @@ def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,
                    "GPUs, or store images smaller / pre-decoded.")
     report.checks.append(HealthCheck("data time < compute time", data < compute, message))
     peak = max(row["max_mem_mb"] for row in rows)
+    total = total_memory_mb or (min(g["mem_total_mb"] for g in gpus) if gpus else None) \
+        or device_memory_mb(du.info().device)
+    used = peak / total if total else None
+    kind = "the allocator's peak (max_memory_allocated)" if gpus else "peak"
+    seen = f"{kind} {peak:.0f} of {total:.0f} MiB" if total else f"peak {peak:.0f} MiB"
     if gpus:
         fullest = max(gpus, key=lambda g: g["mem_used_max_mb"] / g["mem_total_mb"])
-        used = fullest["mem_used_max_mb"] / fullest["mem_total_mb"]
-        seen = f"{gpu_name(fullest)} held up to {fullest['mem_used_max_mb']:.0f} of {fullest['mem_total_mb']:.0f} MiB"
-    else:
-        total = total_memory_mb or device_memory_mb(du.info().device)
-        used = peak / total if total else None
-        seen = f"peak {peak:.0f} of {total:.0f} MiB" if total else f"peak {peak:.0f} MiB"
+        seen += (f"; nvidia-smi showed {gpu_name(fullest)} at up to {fullest['mem_used_max_mb']:.0f} MiB, which also "
+                 "counts the allocator's cache, the CUDA context and other processes: not a figure to judge by")
+    name = f"peak memory < {100 * MAX_MEMORY_FRACTION:.0f} %"
     if used is None:
-        report.checks.append(HealthCheck("memory < 90 %", None, f"{seen}; the device's total is unknown."))
+        report.checks.append(HealthCheck(name, None, f"{seen}; the device's total is unknown."))
     elif used < MAX_MEMORY_FRACTION:
-        report.checks.append(HealthCheck("memory < 90 %", True, f"{seen} ({used:.0%}): room to spare."))
+        report.checks.append(HealthCheck(name, True, f"{seen} ({used:.0%} by the run's peak): room to spare."))
     else:
-        report.checks.append(HealthCheck("memory < 90 %", False, (
-            f"{seen} ({used:.0%}): a slightly larger image or batch will run out of memory. Lower "
+        report.checks.append(HealthCheck(name, False, (
+            f"{seen} ({used:.0%} by the run's peak): the batch with the largest images may not fit. Lower "
             "--batch-size and add --accum-steps, enable --amp, or lower --max-size.")))
     return report

@@ -27,6 +27,7 @@ from .. import distributed as du
 from ..distributed import barrier, init_distributed, shutdown
 from ..errors import WorkerError
 from ..hardware import gpu_count
+from .gpus import exclusive_gpu_held
 
 _STACKS = None  # a launch worker's stack-dump file (see _worker)
 
@@ -155,6 +156,11 @@ def launch(fn, nprocs: int, *args, backend: str | None = None, timeout_s: float 
     import multiprocessing as mp
     import tempfile
 
+    held = exclusive_gpu_held()
+    if held is not None:
+        raise WorkerError(f"GPU {held} is in EXCLUSIVE_PROCESS compute mode and this process already holds it, so "
+                          "worker processes cannot start there: restart the kernel and run this cell before any "
+                          "that uses the GPU in the kernel itself, or ask for the DEFAULT mode (nvidia-smi -c 0)")
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
     port, deadline = free_port(), time.monotonic() + timeout_s

@@ -7,12 +7,16 @@ a verdict from `wording`; the chapter keeps only its sentences. Nothing here mea
 - `gradient_noise(rows)`: noise against the 1/B line (chapter 1).
 - `run_health(rows)`: data share and peak-memory growth of a monitored run (chapter 8).
 - `curve_against_paper(curve, paper, busy)`: the measured scaling against its predicted bounds (chapter 8).
-- `paper_bound(paper, devices, link)`, `article_bounds(paper, efficiencies)`, `first_inefficient(paper)`:
-  scaling on paper for the article's GPU (chapter 8).
-- `straggler_answer(per_process, threshold)`: one more image on one process (chapter 9).
+- `backward_share(records)`: the share of a measured step after forward, which an all-reduce can hide behind.
+- `paper_bound(paper, devices, link)`, `article_bounds(...)`, `first_inefficient(paper)`: scaling on
+  paper for the article's GPU and NVIDIA's published run (chapter 8).
+- `straggler_answer(per_process, threshold, processes)`, `straggler_words(...)`: what StragglerCheck
+  names, predicted and measured (chapter 9); `no_sync_check_words(gpus)`: where chapter 7's check ran.
 - `table_verdicts(speed)`: sentences about a speed table, as far as its spread allows (chapters 4, 8, 9).
 """
 from __future__ import annotations
+
+import statistics
 
 from . import wording
 from .bench import interval, machine_busy, spread_text
@@ -51,6 +55,12 @@ def run_health(rows: list[dict]) -> dict:
             "second half MiB": rows[-1]["max_mem_mb"] - rows[half - 1]["max_mem_mb"]}
 
 
+def backward_share(records) -> float:
+    """The median share of a step that comes after forward (backward and the optimizer step) in a
+    run's `engine.StepRecord`s: what an all-reduce launched from backward can hide behind, at most."""
+    return statistics.median((r.iter_time - r.data_time - r.rank_forward_times[0]) / r.iter_time for r in records)
+
+
 def paper_row(paper: list[dict], devices: int, link: str) -> dict:
     """The `projection.predict` row for `devices` over the first link whose name starts with `link`."""
     return next(row for row in paper if row["devices"] == devices and row["link"].startswith(link))
@@ -75,18 +85,26 @@ def curve_against_paper(curve_top: dict, paper: list[dict], busy: bool) -> dict:
     return {"devices": n, "bounds": bounds, "verdict": verdict, "has spread": interval(curve_top, "speedup") is not None}
 
 
-def article_bounds(paper: list[dict], article_efficiencies: tuple[float, float], published: dict) -> dict:
-    """Scaling on paper for R50-FPN at the article's speed beside the article's rows and NVIDIA's
-    published throughputs: the worst-case efficiencies over PCIe at 4 and 64 GPUs and over NVLink
-    at 8, whether the article's rows lie `article below` the PCIe bound at 4, the published
-    efficiencies per GPU count and whether the 8-GPU one lies `published far below` (more than
-    5 points) NVLink's bound."""
-    pcie4, pcie64, nvlink8 = (paper_bound(paper, n, link) for n, link in ((4, "PCIe"), (64, "PCIe"), (8, "NVLink")))
+def article_bounds(paper: list[dict], article_efficiencies: tuple[float, float], published: dict,
+                   published_paper: list[dict]) -> dict:
+    """Scaling on paper for R50-FPN at the article's speed beside the article's rows and NVIDIA's.
+
+    The worst-case (not overlapped) efficiencies over PCIe 3.0 (the article's card) and 4.0 at 4
+    GPUs, PCIe 3.0 at 8 and 64, NVLink at 8; `article`: where the article's 4-GPU row lies against
+    the PCIe 3.0 bound (FASTER above it, SLOWER below, WITHIN_NOISE within a point: the data cannot
+    tell bandwidth from stragglers); NVIDIA's published efficiencies and `published bound`, the
+    bound for its own step and link (`published_paper`), and whether it lies `published far below`
+    it (more than 5 points)."""
+    bound = {f"{link} {n}": paper_bound(paper, n, link)
+             for link, n in (("PCIe 3", 4), ("PCIe 4", 4), ("PCIe 3", 8), ("PCIe 3", 64), ("NVLink", 8))}
+    article = article_efficiencies[-1]
+    gap = article - bound["PCIe 3 4"]
     published_eff = [value / published["img/s"][0] / gpus for value, gpus in zip(published["img/s"], published["gpus"])]
-    return {"PCIe 4": pcie4, "PCIe 64": pcie64, "NVLink 8": nvlink8, "PCIe 8": paper_bound(paper, 8, "PCIe"),
-            "all-reduce ms PCIe 4": paper_row(paper, 4, "PCIe")["all-reduce ms"],
-            "article below": max(article_efficiencies) < pcie4,
-            "published efficiencies": published_eff, "published far below": published_eff[2] < nvlink8 - 0.05}
+    nvidia = paper_bound(published_paper, published["gpus"][-1], "")
+    return {**bound, "all-reduce ms PCIe 3 4": paper_row(paper, 4, "PCIe 3")["all-reduce ms"],
+            "article": WITHIN_NOISE if abs(gap) <= 0.01 else FASTER if gap > 0 else SLOWER,
+            "published efficiencies": published_eff, "published bound": nvidia,
+            "published far below": published_eff[-1] < nvidia - 0.05}
 
 
 def first_inefficient(paper: list[dict], efficiency: float = 0.9) -> dict | None:
@@ -94,11 +112,53 @@ def first_inefficient(paper: list[dict], efficiency: float = 0.9) -> dict | None
     return next((row for row in paper if row["efficiency not overlapped"] < efficiency), None)
 
 
-def straggler_answer(per_process: int, threshold: float) -> dict:
-    """One process given one image more than the others: its forward time as a multiple of
-    theirs if it grows with the images, and whether that crosses StragglerCheck's threshold."""
-    ratio = (per_process + 1) / per_process
-    return {"ratio": ratio, "warns": ratio > threshold}
+def straggler_answer(per_process: int, threshold: float, processes: int) -> dict:
+    """One process given one image more than the others: the ratio `StragglerCheck` computes (its
+    forward time over the median of all ranks', if forward time grows with the images), whether it
+    crosses the threshold, and `needed`, how much slower than the others a rank must be to be named:
+    with 2 ranks the median is their mean, so a rank r times slower shows as 2r / (1 + r)."""
+    times = [per_process] * (processes - 1) + [per_process + 1]
+    ratio = times[-1] / statistics.median(times)
+    needed = threshold / (2 - threshold) if processes == 2 else threshold
+    return {"ratio": ratio, "warns": ratio > threshold, "needed": needed}
+
+
+def straggler_words(found: dict, balanced: dict, threshold: float, processes: int, gpus: int) -> str:
+    """What StragglerCheck did in the two runs of chapter 9, as measured (`speed_findings.imbalance`'s
+    `found` and the balanced run), and what the processes shared: with fewer GPUs than processes they
+    share one device, so each one's forward time includes the other's work."""
+    even = ", ".join(map(str, balanced["batch per rank"]))
+    needed = straggler_answer(1, threshold, processes)["needed"]
+    if not found["warned"]:
+        said = (f"StragglerCheck stayed quiet: the slowest forward was {found['forward ratio']:.1f} times the "
+                f"fastest, and with {processes} processes it names a rank only beyond {needed:.1f} times the others.")
+    elif found["balanced warned"]:
+        said = (f"StragglerCheck named the slow process, and warned in the balanced run ({even} images) too: equal "
+                "batches are not equal work when the images differ in size or the processes share hardware.")
+    else:
+        said = (f"StragglerCheck named the slow process, whose forward took {found['forward ratio']:.1f} times as long "
+                f"as the fastest's; with equal batches ({even} images) it stayed quiet.")
+    if processes == 2:
+        said += (f" With two processes the median is their mean, so a rank must be {needed:.1f} times slower than "
+                 f"the other to cross its {threshold:g}x threshold.")
+    if gpus == 1:
+        said += (" Both processes ran on this machine's one GPU, so each forward time includes waiting for the other "
+                 "process's kernels: on a machine with a GPU per process the gap is the work alone.")
+    elif gpus == 0:
+        said += " The processes ran on CPU cores of one machine; on GPUs each process has a device of its own."
+    return said
+
+
+def no_sync_check_words(gpus: int) -> str:
+    """Where chapter 7's two-process `no_sync` check ran (`proofs.ddp_accumulation_check` puts its toy
+    model on each process's device, rank r on GPU r % gpus, and the chapter asks for gloo)."""
+    if gpus == 0:
+        return "The two processes ran on CPU cores, with gloo."
+    if gpus == 1:
+        return ("Both processes put their toy model on this machine's one GPU, and gloo all-reduced the CUDA "
+                "gradients through host memory (nccl refuses two processes on one GPU).")
+    return ("Each process put its toy model on a GPU of its own, and gloo all-reduced the CUDA gradients through "
+            "host memory; training uses nccl, and the count of all-reduces does not depend on the backend.")
 
 
 def _pct(value: float) -> str:

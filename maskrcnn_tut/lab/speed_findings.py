@@ -5,9 +5,9 @@ returns the figures a chapter quotes with a verdict from `wording`; the chapter 
 sentences. Nothing here measures, so every branch is tested with hand-made rows.
 
 - `loader(sweep)`: DataLoader workers against none (chapter 3).
-- `ddp_speedup(speed)`, `own_work(summary)`, `ddp_gap(speed, summary)`: the speed table and the
-  DDP trace (chapter 4).
+- `own_work(summary)`: the DDP trace's ranks against one process alone (chapter 4).
 - `against_first(result)`: every measured setting of a sweep against its first row (chapter 5).
+- `cudnn(sweep)`: fixed against varying image sizes, and cudnn.benchmark on against off (chapter 6).
 - `accumulation(sweep)`: accumulated micro-batches against one large batch (chapter 7).
 - `imbalance(imbalanced, balanced)`, `split_batches(...)`: uneven batches per process (chapter 9).
 - `fast_path(result)`, `time_to_accuracy(result)`: the fast path's settings (chapter 11).
@@ -34,15 +34,17 @@ def _measured(result) -> list[dict]:
 def loader(sweep) -> dict:
     """What the loader sweep says about worker processes here.
 
-    `bound`: the share of a step that workers=0 spends waiting for its batch, the most any number
-    of workers can save. `best` / `worst`: the fastest and slowest setting with workers, at
-    `ratio` / `worst ratio` of workers=0's img/s; `verdict` for the best one, from `wording`
-    (without a spread, within `NO_DIFFERENCE` is within noise), or `TOO_LARGE` when it is faster by
-    more than `bound` allows (then something else, such as other work on the machine, moved the
-    figures). Also what the chapter's answers read: `compute change` (the slowest setting's compute
-    per step against workers=0's), `compute_slowed` (that growth beyond the spread), the
-    epoch-start waits with and without persistent workers, and the compute trend up to the most
-    workers (`trend`: SLOWER when compute grew beyond workers=0's spread, FASTER when it shrank)."""
+    `bound`: the share of a step that workers=0 spends waiting for its batch; `ceiling`: the most
+    that workers can multiply img/s by, 1 / (1 - bound), when they hide all of that wait (a gain of
+    bound / (1 - bound), not of bound: at a 40 % share, 1.67x). `best` / `worst`: the fastest and
+    slowest setting with workers, at `ratio` / `worst ratio` of workers=0's img/s; `verdict` for the
+    best one, from `wording` (without a spread, within `NO_DIFFERENCE` is within noise), or
+    `TOO_LARGE` when its ratio exceeds `ceiling` by more than `NO_DIFFERENCE` (then something else,
+    such as other work on the machine, moved the figures). Also what the chapter's answers read:
+    `compute change` (the slowest setting's compute per step against workers=0's), `compute_slowed`
+    (that growth beyond the spread), the epoch-start waits with and without persistent workers, and
+    the compute trend up to the most workers (`trend`: SLOWER when compute grew beyond workers=0's
+    spread, FASTER when it shrank)."""
     rows = _measured(sweep)
     base = next(row for row in rows if row["knobs"]["workers"] == 0)
     with_workers = [row for row in rows if row["knobs"]["workers"] > 0]
@@ -53,7 +55,8 @@ def loader(sweep) -> dict:
     if verdict == NO_SPREAD:
         verdict = wording.compare_figures(best["img/s"], base["img/s"], NO_DIFFERENCE).verdict
     bound = base["data ms"] / (base["data ms"] + base["compute ms"])
-    if verdict == FASTER and found.ratio - 1 > bound + NO_DIFFERENCE:
+    ceiling = 1 / (1 - bound)
+    if verdict == FASTER and found.ratio > ceiling + NO_DIFFERENCE:
         verdict = TOO_LARGE
     compute_change = worst["compute ms"] / base["compute ms"] - 1
     restart = {row["knobs"]["persistent_workers"]: row.get("epoch-start data ms") for row in rows
@@ -63,7 +66,7 @@ def loader(sweep) -> dict:
     spread = (base["img/s hi"] - base["img/s lo"]) / base["img/s"] if base.get("img/s hi") else NO_DIFFERENCE
     trend = WITHIN_NOISE if abs(change) <= spread else SLOWER if change > 0 else FASTER
     return {"base": base, "best": best, "worst": worst, "ratio": found.ratio,
-            "worst ratio": worst["img/s"] / base["img/s"], "bound": bound, "verdict": verdict,
+            "worst ratio": worst["img/s"] / base["img/s"], "bound": bound, "ceiling": ceiling, "verdict": verdict,
             "compute change": compute_change,
             "compute_slowed": (compute_change > NO_DIFFERENCE and verdict != TOO_LARGE
                                and versus(worst, base) == -1),
@@ -73,16 +76,6 @@ def loader(sweep) -> dict:
 
 
 # --------------------------------------------------------------------------- chapter 4
-
-
-def ddp_speedup(speed) -> dict:
-    """The speed table's baseline, its DDP row (None with one device) and the row to set beside
-    DDP: on CPUs one process with more threads, on GPUs DataParallel (None where neither ran)."""
-    rows = _measured(speed)
-    base = rows[0]
-    more_threads = [row for row in rows if (row.get("threads/process") or 0) > (base.get("threads/process") or 0)]
-    other = max(more_threads, key=lambda row: row["threads/process"]) if more_threads else speed.row("DP(")
-    return {"base": base, "ddp": speed.row("DDP"), "other": other}
 
 
 def own_work(summary: dict) -> dict:
@@ -96,20 +89,6 @@ def own_work(summary: dict) -> dict:
             "transfer share": summary["transfer"][0] / summary["step under DDP"][0]}
 
 
-def ddp_gap(speed, summary: dict) -> dict | None:
-    """DDP against N times one device (None without a DDP row): `devices`, `ideal` (the speedup's
-    range against N: FASTER above it, which only noise can do, WITHIN_NOISE when it contains N,
-    SLOWER a real gap), `no_faster_without_allreduce` (the row without the all-reduce did not beat
-    DDP beyond the spread) and the own-work verdict of `own_work`."""
-    ddp = speed.row("DDP")
-    if ddp is None:
-        return None
-    devices = round(ddp["speedup"] / ddp["scaling efficiency"])
-    without = next((row for row in _measured(speed) if "without gradient all-reduce" in row["setup"]), None)
-    return {"devices": devices, "ideal": wording.compare_to(ddp, float(devices)).verdict,
-            "no_faster_without_allreduce": versus(ddp, without) in (0, 1), "own work": own_work(summary)["verdict"]}
-
-
 def allreduce_cost(speed) -> Comparison | None:
     """DDP against the same processes without the all-reduce (None where the table has no such
     row); rows measured on a busy machine are within noise whatever their spread."""
@@ -119,6 +98,32 @@ def allreduce_cost(speed) -> Comparison | None:
         return None
     found = wording.compare(ddp, without)
     return Comparison(found.ratio, WITHIN_NOISE) if machine_busy(speed) and found.verdict != NO_SPREAD else found
+
+
+# --------------------------------------------------------------------------- chapter 6
+
+
+def cudnn(sweep) -> dict:
+    """The cuDNN sweep: the best `fixed` and `varying` setting counting every step, `comparison`
+    (fixed against varying, at the median step, from `wording`), and on GPUs `benchmark`: for
+    "fixed" and "varying", `cudnn.benchmark=True` against False at the median step (autotuning
+    done; from the ranges) and over every step (autotuning included; within `NO_DIFFERENCE` is
+    within noise). `benchmark` is None on a CPU, where the sweep has no such rows."""
+    rows = _measured(sweep)
+    kinds = {kind: [row for row in rows if row["knobs"]["shape"] == kind] for kind in ("fixed", "varying")}
+    best = {kind: max(found, key=lambda row: row["img/s all steps"]) for kind, found in kinds.items()}
+    benchmark = {}
+    for kind, found in kinds.items():
+        flags = {row["knobs"]["cudnn_benchmark"]: row for row in found}
+        if True in flags and False in flags:
+            on, off = flags[True], flags[False]
+            median = wording.compare(on, off).verdict
+            if median == NO_SPREAD:
+                median = wording.compare_figures(on["img/s"], off["img/s"], NO_DIFFERENCE).verdict
+            benchmark[kind] = (median, wording.compare_figures(on["img/s all steps"], off["img/s all steps"],
+                                                               NO_DIFFERENCE).verdict)
+    return {"fixed": best["fixed"], "varying": best["varying"],
+            "comparison": wording.compare(best["fixed"], best["varying"]), "benchmark": benchmark or None}
 
 
 # --------------------------------------------------------------------------- chapters 5 and 7
@@ -149,19 +154,21 @@ def accumulation(sweep) -> dict | None:
 
 
 def split_batches(per_process: int, processes: int) -> tuple[list[int], list[int]]:
-    """The same images per step split unevenly (the last process gets three halves of a batch, the
-    others half) and evenly (differing by at most one image)."""
-    uneven = [max(1, per_process // 2)] * (processes - 1) + [3 * per_process // 2]
-    total = sum(uneven)
-    return uneven, [total // processes + (rank < total % processes) for rank in range(processes)]
+    """The same images per step split unevenly and evenly. Even: every process gets `per_process`
+    (at least 2), exactly equal on any process count; uneven: the others get half of that and the
+    last process the rest, so both splits hold the same total."""
+    even = [max(2, per_process)] * processes
+    low = even[0] // 2
+    return [low] * (processes - 1) + [sum(even) - low * (processes - 1)], even
 
 
 def imbalance(imbalanced: dict, balanced: dict) -> dict:
     """Two `proofs.imbalance_run` results: `cost` (the uneven step's time over the even one's, minus
     one), `expected` (the cost if a step grew with the busiest process's images), `forward ratio`
-    (slowest over fastest forward) and `verdict`, the even split's speed against the uneven one's:
-    FASTER (the imbalance cost speed beyond the spread), WITHIN_NOISE, SLOWER (the uneven split
-    came out no slower, which only noise can do) or NO_SPREAD (a rough figure)."""
+    (slowest over fastest forward), whether StragglerCheck warned in each run (`warned`, `balanced
+    warned`) and `verdict`, the even split's speed against the uneven one's: FASTER (the imbalance
+    cost speed beyond the spread), WITHIN_NOISE, SLOWER (the uneven split came out no slower, which
+    only noise can do) or NO_SPREAD (a rough figure)."""
     cost = imbalanced["step s"] / balanced["step s"] - 1
     runs = [timing_row(run["step s all"]) if run.get("step s all") else None for run in (balanced, imbalanced)]
     verdict = wording.compare(*runs).verdict if all(runs) else NO_SPREAD
@@ -169,17 +176,22 @@ def imbalance(imbalanced: dict, balanced: dict) -> dict:
         verdict = SLOWER  # the uneven split no slower, without a spread: only noise does that
     forward = imbalanced["forward s per rank"]
     return {"cost": cost, "expected": max(imbalanced["batch per rank"]) / max(balanced["batch per rank"]) - 1,
-            "forward ratio": max(forward) / min(forward), "warned": bool(imbalanced["warnings"]), "verdict": verdict}
+            "forward ratio": max(forward) / min(forward), "warned": bool(imbalanced["warnings"]),
+            "balanced warned": bool(balanced["warnings"]), "verdict": verdict}
 
 
 # --------------------------------------------------------------------------- chapter 11
 
 
 def fast_path(result) -> dict:
-    """The fastest measured setting of `bench.sweep_fast_path` against eager (its first row)."""
+    """The fastest measured setting of `bench.sweep_fast_path` against eager (its first row), with
+    `comparison` from `wording` (without a spread, within `NO_DIFFERENCE` is within noise)."""
     eager = result.rows[0]
     best = max(_measured(result), key=lambda row: row["img/s"])
-    return {"eager": eager, "best": best, "ratio": best["img/s"] / eager["img/s"]}
+    found = wording.compare(best, eager)
+    if found.verdict == NO_SPREAD:
+        found = wording.compare_figures(best["img/s"], eager["img/s"], NO_DIFFERENCE)
+    return {"eager": eager, "best": best, "ratio": found.ratio, "comparison": found}
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,12 @@
   batches) of the config's loader: the model's own transform only, no training.
 - `shape_census(cfg, steps)`: the distinct input shapes the backbone and the mask head meet over
   real training steps (forward pre-hooks): cudnn.benchmark autotunes once per new shape (ch. 6).
+- `mask_head_bound(cfg)`: the most shapes the mask head can ever meet, so autotuning's bound.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import pickle
 import time
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torchvision.models.detection import MaskRCNN
 
 from ..config import Config
 from .bench.harness import multiscale_sizes
@@ -250,7 +253,20 @@ def shape_census(cfg: Config, steps: int = 12, **overrides) -> dict:
     finally:
         for hook in hooks:
             hook.remove()
-    return {part: {"shapes": shapes, "distinct": len(set(shapes)), "steps": steps} for part, shapes in seen.items()}
+    return {part: {"shapes": shapes, "distinct": len(set(shapes)), "steps": steps,
+                   "distinct by step": [len(set(shapes[:i + 1])) for i in range(len(shapes))]}
+            for part, shapes in seen.items()}
+
+
+#: The share of the RoIs sampled per image that may be positive (torchvision's default, which the
+#: package's model keeps): only positive RoIs reach the mask head.
+POSITIVE_FRACTION = inspect.signature(MaskRCNN.__init__).parameters["box_positive_fraction"].default
+
+
+def mask_head_bound(cfg: Config) -> int:
+    """The most positive RoIs one step can give the mask head (batch x RoIs sampled per image x
+    the positive fraction), hence the most distinct input shapes it can ever meet."""
+    return int(cfg.batch_size * cfg.box_batch_size_per_image * POSITIVE_FRACTION)
 
 
 def accumulation_plan(cfg: Config, gpu_memory_gb: float, accum_steps: tuple[int, ...] = (1, 4),

@@ -3,15 +3,20 @@
 `ddp_trace()` runs `engine.train_step` in fresh CPU processes (`processes.launch`, gloo), each
 bound to one core with one thread as in the speed table, at the table's batch
 (`bench.CPU_TABLE_BATCH`): first one process alone (the table's baseline, the other core idle),
-then 2 processes under DDP with the preset's buckets, then with 25 MB buckets. Each phase
-warms up, then profiles `steps` whole `train_step`s. `step_phases` reads every profiled step of
+then 2 processes under DDP with the preset's buckets, then with 25 MB buckets, then with 25 MB
+buckets and the same images as `NO_SYNC_ACCUM` accumulated micro-batches (`no_sync` on all but
+the last). These are DDP's three ideas in order: gradient buckets, their all-reduce overlapping
+backward, and no all-reduce in the micro-steps before the last. Each phase warms up, then profiles
+`steps` whole `train_step`s. `step_phases` reads every profiled step of
 every rank from the trace events: data wait, forward, backward, the gradient buckets' all-reduces
 (gloo's own threads) and how much of them ran during backward, the wait for the other rank, the
 optimizer. The two ranks share one clock, so a bucket's all-reduce is split into waiting for the
-later rank and the transfer itself. `plot_trace` draws one step of each rank; `save_trace` writes
-both ranks into one Chrome-trace file (ui.perfetto.dev or chrome://tracing open it).
+later rank and the transfer itself. `save_trace` writes both ranks into one Chrome-trace file (ui.perfetto.dev or chrome://tracing open it).
+`bucket_sizes_mb` is torch's first bucket assignment; DDP rebuilds its buckets after the first
+iteration in the order gradients arrived, so the count the trace measures is the one to quote.
 
-The memory timeline of a step and the shape census live in `maskrcnn_tut.lab.timeline`.
+The pictures of a trace are `trace_plots`'; the memory timeline of a step and the shape census live
+in `maskrcnn_tut.lab.timeline`.
 """
 from __future__ import annotations
 
@@ -33,15 +38,18 @@ from maskrcnn_tut.lab import processes
 
 from .. import distributed as du
 from ..config import Config
+from ..hardware import ddp_buffer_sync_keyword
 from ..model import build_model
 from . import bench
 from .bench import projection as predict
-from .machine import hardware_label
+from .machine import hardware
 from .rig import Rig, build_rig
 
 #: Bucket cap of the last phase: DDP's default, several buckets for this model, so overlap can show.
 SMALL_BUCKET_MB = 25.0
-PHASES = ("single", "ddp", "ddp_small_buckets")
+#: Micro-batches per optimizer step of the no_sync phase (the same images per step as the others).
+NO_SYNC_ACCUM = 2
+PHASES = ("single", "ddp", "ddp_small_buckets", "ddp_no_sync")
 STEP, FORWARD, DATA = "train_step", "forward", "data: next batch"
 COMM_PREFIXES = ("gloo:", "nccl:")
 
@@ -86,7 +94,7 @@ def _profiled_steps(rig: Rig, steps: int, warmup: int, path: Path) -> None:
     for _ in range(warmup):
         rig.step()
     with _quiet_stderr():
-        prof = profile(activities=[ProfilerActivity.CPU])
+        prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)  # shapes: each bucket's size
         prof.start()
     for _ in range(steps):
         with record_function(STEP):
@@ -108,7 +116,12 @@ def trace_worker(cfg: Config, steps: int, warmup: int, folder: str) -> None:
     bench.pin_cores(1)
     torch.set_num_threads(1)
     for phase in PHASES[:1] if info.world_size == 1 else PHASES[1:]:
-        settings = dataclasses.replace(cfg, bucket_cap_mb=SMALL_BUCKET_MB) if phase == "ddp_small_buckets" else cfg
+        settings = cfg
+        if phase != "ddp":
+            settings = dataclasses.replace(settings, bucket_cap_mb=SMALL_BUCKET_MB)
+        if phase == "ddp_no_sync":
+            settings = dataclasses.replace(settings, batch_size=max(1, cfg.batch_size // NO_SYNC_ACCUM),
+                                           accum_steps=NO_SYNC_ACCUM)
         # the single process reads what rank 0 of the pair reads: the same images per step
         rig = build_rig(settings, wrap=_labelled_ddp, reads_as=(info.rank, 2))
         _profiled_steps(rig, steps, warmup, Path(folder) / f"{phase}.{info.rank}.json")
@@ -117,7 +130,8 @@ def trace_worker(cfg: Config, steps: int, warmup: int, folder: str) -> None:
 
 def bucket_sizes_mb(model: nn.Module, cap_mb: float) -> list[float]:
     """The gradient buckets (MiB) DDP forms at `bucket_cap_mb`, from torch's own assignment (parameters
-    in reverse order, as the first backward produces them; a bucket closes once it reaches the cap)."""
+    in reverse order, as the first backward produces them; a bucket closes after the parameter that
+    reaches the cap, so a bucket holds about the cap, a little more or less)."""
     import torch.distributed as dist
     params = [p for p in model.parameters() if p.requires_grad][::-1]
     buckets = dist._compute_bucket_assignment_by_size(params, [int(cap_mb * 2**20)], [False] * len(params))[0]
@@ -152,9 +166,17 @@ def _overlap(spans: list[tuple[float, float]], start: float, end: float) -> floa
     return sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
 
 
+def _numel(event: dict) -> int:
+    """The elements of an all-reduce's flattened bucket, from the profiler's recorded input shapes."""
+    dims = event.get("args", {}).get("Input Dims") or [[[0]]]
+    return sum(int(torch.tensor(shape).prod()) for shape in dims[0]) if dims[0] else 0
+
+
 def step_phases(events: list[dict]) -> list[dict]:
     """Per profiled step of one rank's trace events (Chrome "X" events, microseconds): the
-    milliseconds of each part of the step and the spans (µs) of its gradient all-reduces."""
+    milliseconds of each part of the step, the spans (µs) of its backward passes (one per
+    micro-step: the autograd work after each forward) and of its gradient all-reduces, and how many
+    all-reduces each backward launched."""
     events = [e for e in events if e.get("ph") == "X"]
     steps = _intervals(events, lambda e: e["name"] == STEP)
     main = next(e["tid"] for e in events if e["name"] == STEP)
@@ -162,10 +184,16 @@ def step_phases(events: list[dict]) -> list[dict]:
     for start, end in steps:
         inside = [e for e in events if start <= e["ts"] < end]
         on_main = [e for e in inside if e["tid"] == main]
-        backward = _intervals(on_main, lambda e: e["name"].startswith("autograd::engine::evaluate_function"))
-        b_start, b_end = backward[0][0], max(b for _, b in backward)
-        launches = _intervals(on_main, lambda e: e["name"] == "c10d::allreduce_")
-        n_grad = sum(b_start <= a <= b_end for a, _ in launches)  # buckets are launched from backward
+        autograd = _intervals(on_main, lambda e: e["name"].startswith("autograd::engine::evaluate_function"))
+        forwards = _intervals(on_main, lambda e: e["name"] == FORWARD)
+        ends = [a for a, _ in forwards[1:]] + [end]
+        backwards = [(spans[0][0], max(b for _, b in spans)) for f, nxt in zip(forwards, ends)
+                     if (spans := [(a, b) for a, b in autograd if f[1] <= a < nxt])]
+        b_start, b_end = backwards[-1]  # the backward whose buckets are all-reduced
+        launched = sorted((e["ts"], _numel(e)) for e in on_main if e["name"] == "c10d::allreduce_"
+                          and any(a <= e["ts"] <= b for a, b in backwards))  # buckets launch from backward
+        per_backward = [sum(a <= t <= b for t, _ in launched) for a, b in backwards]
+        n_grad = sum(per_backward)
         # gloo runs each collective on a thread of its own, in the order they were launched
         grad = _intervals(inside, lambda e: e["tid"] != main and e["name"].startswith(COMM_PREFIXES)
                           and "all_reduce" in e["name"])[:n_grad]
@@ -174,17 +202,20 @@ def step_phases(events: list[dict]) -> list[dict]:
             "step ms": ms(end - start),
             "data ms": ms(sum(b - a for a, b in _intervals(on_main, lambda e: e["name"] == DATA))),
             "forward ms": ms(sum(b - a for a, b in _intervals(on_main, lambda e: e["name"] == FORWARD))),
-            "backward ms": ms(b_end - b_start),
+            "backward ms": ms(sum(b - a for a, b in backwards)),
             "optimizer ms": ms(sum(b - a for a, b in _intervals(on_main, lambda e: e["name"].startswith("Optimizer.step")))),
             "buffer broadcasts": sum(1 for e in on_main if e["name"] == "c10d::broadcast_"),
             "gradient all-reduces": len(grad),
             "all-reduce ms": ms(sum(b - a for a, b in grad)),
             "all-reduce during backward ms": ms(_overlap(grad, b_start, b_end)),
+            "all-reduces per backward": per_backward, "backward spans": backwards,
+            "bucket launches": [t for t, _ in launched], "bucket MiB": [4 * n / 2**20 for _, n in launched],
             "grad spans": grad, "backward span": (b_start, b_end), "step span": (start, end),
         })
         row = rows[-1]
         row["own work ms"] = row["data ms"] + row["forward ms"] + row["backward ms"] + row["optimizer ms"]
         row["waiting ms"] = row["step ms"] - row["own work ms"]  # for gradients, for the peer, buffer broadcasts
+        row["backward share"] = row["backward ms"] / row["step ms"]
     return rows
 
 
@@ -193,7 +224,6 @@ class DDPTrace:
     """What `ddp_trace` measured: per phase, per rank, per step (see `step_phases`)."""
 
     steps: dict[str, list[list[dict]]]  # phase -> [rank][step] -> row
-    bucket_mb: dict[str, list[float]]
     bucket_cap_mb: float
     batch_size: int
     events: dict[str, list[list[dict]]] = field(repr=False, default_factory=dict)  # phase -> [rank] -> events
@@ -201,6 +231,10 @@ class DDPTrace:
 
     def rows(self, phase: str) -> list[dict]:
         return [row for rank in self.steps[phase] for row in rank]
+
+    def bucket_mb(self, phase: str) -> list[float]:
+        """The gradient buckets DDP all-reduced in rank 0's last profiled step (MiB of fp32, measured)."""
+        return self.steps[phase][0][-1]["bucket MiB"]
 
     def spread(self, phase: str, key: str) -> tuple[float, float, float]:
         """(median, min, max) of `key` over every profiled step of every rank of `phase`."""
@@ -220,7 +254,7 @@ class DDPTrace:
     def summary(self) -> dict:
         """The step's budget, as (median, min, max) over ranks and steps: each rank's own work alone and
         under DDP (data, forward, backward, optimizer), the last bucket's transfer and the wait for the
-        other rank before it, the step; `slower_under_ddp` is None when the ranges overlap (too noisy)."""
+        other rank before it, the step; `slower_under_ddp` is None when the ranges overlap (within noise)."""
         pairs = self.transfer_and_wait()
         spread = lambda values: (statistics.median(values), min(values), max(values))  # noqa: E731
         alone, shared = self.spread("single", "own work ms"), self.spread("ddp", "own work ms")
@@ -232,17 +266,21 @@ class DDPTrace:
                 "all-reduces per step, small buckets": self.rows("ddp_small_buckets")[0]["gradient all-reduces"],
                 "during backward, small buckets": self.spread("ddp_small_buckets", "all-reduce during backward ms"),
                 "during backward": self.spread("ddp", "all-reduce during backward ms"),
-                "buffer broadcasts per step": self.spread("ddp", "buffer broadcasts")[0]}
+                "buffer broadcasts per step": self.spread("ddp", "buffer broadcasts")[0],
+                "backward share alone": self.spread("single", "backward share"),
+                "all-reduces per backward, no_sync": self.rows("ddp_no_sync")[0]["all-reduces per backward"],
+                "step under DDP, no_sync": self.spread("ddp_no_sync", "step ms")}
 
     def table(self) -> list[dict]:
         """One row per phase: medians with min-max over ranks and steps."""
         keys = ["step ms", "data ms", "forward ms", "backward ms", "optimizer ms", "waiting ms", "all-reduce ms",
                 "all-reduce during backward ms"]
         names = {"single": "1 process alone (baseline)", "ddp": f"DDP(2), {self.bucket_cap_mb:g} MB buckets (preset)",
-                 "ddp_small_buckets": f"DDP(2), {SMALL_BUCKET_MB:g} MB buckets"}
+                 "ddp_small_buckets": f"DDP(2), {SMALL_BUCKET_MB:g} MB buckets",
+                 "ddp_no_sync": f"DDP(2), {SMALL_BUCKET_MB:g} MB buckets, {NO_SYNC_ACCUM} micro-batches (no_sync)"}
         table = []
         for phase in PHASES:
-            row = {"run": names[phase], "buckets": len(self.bucket_mb.get(phase, [])) or None}
+            row = {"run": names[phase], "all-reduces": self.rows(phase)[0]["gradient all-reduces"]}
             for key in keys:
                 median, low, high = self.spread(phase, key)
                 row[key] = f"{median:.0f} ({low:.0f}-{high:.0f})" if high > 0 else "0"
@@ -252,7 +290,8 @@ class DDPTrace:
 
 def ddp_trace(preset: str = "cpu-tiny", steps: int = 2, warmup: int = 1, batch_size: int | None = None,
               **overrides) -> DDPTrace:
-    """Profile the phases of the module doc in 2 fresh CPU processes (GPUs hidden from them)."""
+    """Profile the phases of the module doc in 2 fresh CPU processes (GPUs hidden from them, so the
+    trace is labelled with the CPU, whatever GPUs this machine has)."""
     batch_size = batch_size or bench.CPU_TABLE_BATCH
     cfg = bench.bench_config(preset, batches_per_step=2, batch_size=batch_size, workers=0, **overrides)
     with tempfile.TemporaryDirectory() as folder, \
@@ -262,10 +301,24 @@ def ddp_trace(preset: str = "cpu-tiny", steps: int = 2, warmup: int = 1, batch_s
         events = {phase: [json.loads(path.read_text())["traceEvents"]
                           for path in sorted(Path(folder).glob(f"{phase}.*.json"))] for phase in PHASES}
     return DDPTrace(steps={phase: [step_phases(ev) for ev in events[phase]] for phase in PHASES},
-                    bucket_mb={phase: bucket_sizes_mb(build_model(cfg, 4), cap)
-                               for phase, cap in (("ddp", cfg.bucket_cap_mb), ("ddp_small_buckets", SMALL_BUCKET_MB))},
                     bucket_cap_mb=cfg.bucket_cap_mb, batch_size=batch_size, events=events,
-                    hardware=hardware_label())
+                    hardware=cpu_label(2))
+
+
+def buffer_sync_words(broadcasts_per_step: float) -> str:
+    """The sentence on DDP's buffer sync, naming the keyword this torch takes (`forward_sync_buffers`
+    from torch 2.13, `broadcast_buffers` before: `hardware.ddp_buffer_sync_keyword`)."""
+    keyword = ddp_buffer_sync_keyword(nn.parallel.DistributedDataParallel)
+    other = "broadcast_buffers" if keyword == "forward_sync_buffers" else "forward_sync_buffers"
+    age = "its deprecated older name" if keyword == "forward_sync_buffers" else "its name from torch 2.13 on"
+    return (f"Before each forward DDP also copies the model's buffers (BatchNorm's running statistics) from rank 0 to "
+            f"the others: {broadcasts_per_step:.0f} broadcast(s) per step in the trace. torch {torch.__version__} "
+            f"calls the switch `{keyword}` (`{other}` is {age}); `--no-broadcast-buffers` turns it off.")
+
+
+def cpu_label(processes: int) -> str:
+    """What a CPU-only trace ran on: this machine's CPU, never its GPUs (M4)."""
+    return f"{processes} processes of one core each on {hardware()['cpu']} (GPUs hidden)"
 
 
 def save_trace(trace: DDPTrace, path: Path | str, phase: str = "ddp") -> Path:
@@ -279,49 +332,3 @@ def save_trace(trace: DDPTrace, path: Path | str, phase: str = "ddp") -> Path:
     with gzip.open(path, "wt") as out:
         json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, out)
     return path
-
-
-def plot_trace(trace: DDPTrace, phases: tuple[str, ...] = ("ddp", "ddp_small_buckets")):
-    """The last profiled step of each rank, one lane per rank and thread kind, for each phase."""
-    import matplotlib.pyplot as plt
-    colors = {"data": "tab:orange", "forward": "tab:blue", "backward": "tab:green", "optimizer": "tab:purple",
-              "waiting for gradients": "lightgray", "all-reduce": "tab:red"}
-    fig, axes = plt.subplots(len(phases), 1, figsize=(10, 1.9 * len(phases) + 0.6), squeeze=False)
-    for ax, phase in zip(axes[:, 0], phases):
-        origin = min(rank[-1]["step span"][0] for rank in trace.steps[phase])
-        for r, (rank_steps, events) in enumerate(zip(trace.steps[phase], trace.events[phase])):
-            row = rank_steps[-1]
-            lo, hi = row["step span"]
-            main = next(e["tid"] for e in events if e.get("name") == STEP)
-            lanes = {"data": [], "forward": [], "optimizer": []}
-            for e in events:
-                if e.get("ph") == "X" and e["tid"] == main and lo <= e["ts"] < hi:
-                    kind = {DATA: "data", FORWARD: "forward"}.get(e["name"]) or (
-                        "optimizer" if e["name"].startswith("Optimizer.step") else None)
-                    if kind:
-                        lanes[kind].append((e["ts"], e["dur"]))
-            lanes["backward"] = [(row["backward span"][0], row["backward span"][1] - row["backward span"][0])]
-            b_end, g_end = row["backward span"][1], max((b for _, b in row["grad spans"]), default=0.0)
-            lanes["waiting for gradients"] = [(b_end, g_end - b_end)] if g_end > b_end else []
-            casts = [(e["ts"], e["dur"]) for e in events if e.get("ph") == "X" and e["tid"] != main
-                     and lo <= e["ts"] < hi and e["name"].endswith(":broadcast")]
-            y = 2 * (len(trace.steps[phase]) - 1 - r)
-            for kind, spans in lanes.items():
-                ax.broken_barh([((a - origin) / 1000, d / 1000) for a, d in spans], (y + 1, 0.8),
-                               color=colors[kind], label=kind if r == 0 else None)
-            ax.broken_barh([((a - origin) / 1000, (b - a) / 1000) for a, b in row["grad spans"]], (y, 0.8),
-                           color=colors["all-reduce"], label="gradient all-reduce (gloo thread)" if r == 0 else None)
-            ax.broken_barh([((a - origin) / 1000, d / 1000) for a, d in casts], (y, 0.8), color="black",
-                           label="buffer broadcast (gloo thread)" if r == 0 else None)
-            ax.text(-5, y + 0.9, f"rank {r}", ha="right", va="center", fontsize=8)
-        buckets = len(trace.bucket_mb.get(phase, []))
-        cap = trace.bucket_cap_mb if phase == "ddp" else SMALL_BUCKET_MB
-        ax.set(title=f"DDP(2), {cap:g} MB buckets ({buckets} bucket{'s' * (buckets != 1)}): one profiled step",
-               xlabel="milliseconds from the first rank's step start", yticks=[])
-        ax.grid(alpha=0.3, axis="x")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, ncol=4, loc="lower center")
-    fig.suptitle(f"One train_step per rank (torch.profiler), batch {trace.batch_size} per process, one core each\n"
-                 f"{trace.hardware}", fontsize=9)
-    fig.tight_layout(rect=(0, 0.09, 1, 1))
-    return fig

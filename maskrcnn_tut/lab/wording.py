@@ -1,7 +1,10 @@
 """Plain words for what a comparison of two measurements found: faster, slower or within noise.
 
 Every chapter says it through this module, so "within noise" means the same thing everywhere and
-is explained in one place. The verdict is a code (`FASTER`, `SLOWER`, `WITHIN_NOISE`,
+is explained in one place, chapter 3, where the book first compares two measured settings: a
+setting is faster or slower only when the middle halves of the two settings' steps do not overlap,
+and within noise when they do. Elsewhere the words are the verdict alone ("faster than fp32"),
+without restating that rule. The verdict is a code (`FASTER`, `SLOWER`, `WITHIN_NOISE`,
 `NO_SPREAD`); its words come from `MESSAGES[lang]`, so an edition of the book in another language
 adds a table there and keeps every verdict.
 
@@ -21,16 +24,17 @@ FASTER, SLOWER, WITHIN_NOISE, NO_SPREAD = "faster", "slower", "within noise", "n
 VERDICTS = (FASTER, SLOWER, WITHIN_NOISE, NO_SPREAD)
 _ORDER = {1: FASTER, -1: SLOWER, 0: WITHIN_NOISE, None: NO_SPREAD}
 
-#: The words of each verdict, by language. "noise" says once what "within noise" means.
+#: The words of each verdict, by language: the verdict, plainly; "noise" is the one clause a
+#: sentence adds where it must say why it found no difference.
 MESSAGES = {
     "en": {
-        FASTER: "faster{than}, beyond the spread of both",
-        SLOWER: "slower{than}, beyond the spread of both",
-        WITHIN_NOISE: "within noise{of}: {noise}",
+        FASTER: "faster{than}",
+        SLOWER: "slower{than}",
+        WITHIN_NOISE: "within noise{of}",
         NO_SPREAD: "no spread recorded",
         "than": " than {name}",
         "of": " of {name}",
-        "noise": "the ranges overlap, too noisy to tell apart",
+        "noise": "the ranges overlap",
         "times": "{ratio:.2f} times",
     },
 }
@@ -68,13 +72,13 @@ def compare_figures(a: float, b: float, noise: float) -> Comparison:
 
 
 def words(verdict: str, than: str = "", lang: str = "en", **own: str) -> str:
-    """The verdict as a phrase, e.g. "slower than fp32, beyond the spread of both"; `own` words a
+    """The verdict as a phrase, e.g. "slower than fp32"; `own` words a
     verdict the chapter's way (keyed like `pick`'s templates, e.g. a verdict of its own)."""
     if verdict.replace(" ", "_") in own:
         return pick(verdict, **own)
     table = MESSAGES[lang]
     named = {part: table[part].format(name=than) if than else "" for part in ("than", "of")}
-    return table[verdict].format(**named, noise=table["noise"])
+    return table[verdict].format(**named)
 
 
 def noise(lang: str = "en") -> str:

@@ -9,9 +9,12 @@ import time
 
 import pytest
 import torch
+from checkpoints import resumable_payload
 from conftest import PYTHON, run_flags, run_train, subprocess_env
+from disks import tmpfs
 
 from maskrcnn_tut import checkpoint as ckpt
+from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.errors import CheckpointError
 
 CONFIG = {"backbone": "resnet18", "norm": "bn", "sync_bn": False, "fpn_channels": 128, "mask_head_layers": 2,
@@ -88,7 +91,7 @@ def test_truncated_checkpoint_is_named_and_auto_resume_falls_back_with_a_warning
     with caplog.at_level(logging.WARNING, logger="maskrcnn_tut.checkpoint"):
         path, payload = ckpt.newest_loadable(tmp_path)
     assert path.name == "step_0000002.pt" and payload["state"]["step"] == 2
-    assert f"{newest}: cannot be loaded" in caplog.text and "trying the previous checkpoint" in caplog.text
+    assert f"{newest}: cannot be loaded" in caplog.text and "using an earlier checkpoint" in caplog.text
 
 
 def test_loading_refuses_pickled_code_and_foreign_files(tmp_path):
@@ -97,13 +100,77 @@ def test_loading_refuses_pickled_code_and_foreign_files(tmp_path):
             return (os.system, ("echo pwned",))
 
     torch.save({"model": {}, "state": {}, "payload": Sneaky()}, tmp_path / "sneaky.pt")
-    with pytest.raises(CheckpointError, match=r"sneaky.pt: cannot be loaded \(UnpicklingError"):
+    with pytest.raises(CheckpointError, match=r"sneaky.pt: cannot be loaded \(UnpicklingError: .*posix.system") as err:
         ckpt.load(tmp_path / "sneaky.pt")
+    assert "weights_only" not in str(err.value)  # torch's advice to load it unsafely is not repeated
     torch.save({"weights": torch.ones(2)}, tmp_path / "foreign.pt")
     with pytest.raises(CheckpointError, match="foreign.pt: not a maskrcnn_tut checkpoint"):
         ckpt.load(tmp_path / "foreign.pt")
     with pytest.raises(CheckpointError, match="missing.pt: checkpoint not found"):
         ckpt.load(tmp_path / "missing.pt")
+
+
+def _unknown_state_key(payload):
+    payload["state"]["lr_scale"] = 1
+
+
+def _no_rng(payload):
+    del payload["rng"]
+
+
+def _model_of_another_shape(payload):
+    payload["model"]["roi_heads.box_predictor.cls_score.weight"] = torch.zeros(7, 256)
+
+
+def _config_of_no_model(payload):
+    payload["config"]["norm"] = "layernorm"
+
+
+@pytest.mark.parametrize("damage,reason", [
+    (_config_of_no_model, r"its config describes no model this version builds"),
+    (_unknown_state_key, r"training position \('state': \{.*'lr_scale': 1\}\) has other entries"),
+    (_no_rng, r"has no random generator states"),
+    (_model_of_another_shape, r"model tensors do not fit.*size mismatch")])
+def test_a_wrong_payload_is_one_line_and_auto_resume_falls_back_to_the_previous_checkpoint(damage, reason, tmp_path,
+                                                                                            caplog):
+    ckpt.save(tmp_path, resumable_payload(1), 1, keep=2)
+    payload = resumable_payload(2)
+    damage(payload)
+    newest = ckpt.save(tmp_path, payload, 2, keep=2)
+    with pytest.raises(CheckpointError, match=rf"^{newest}: .*{reason}") as err:
+        ckpt.find_resume(str(newest), tmp_path)
+    assert "\n" not in str(err.value)
+    with caplog.at_level(logging.WARNING, logger="maskrcnn_tut.checkpoint"):
+        path, _ = ckpt.find_resume("auto", tmp_path)
+    assert path.name == "step_0000001.pt"
+    assert [r.message for r in caplog.records] == [f"--resume auto: {err.value}; using an earlier checkpoint"]
+    assert ckpt.find_resume("auto", tmp_path, test_only=True)[0] == newest  # scoring needs only the model
+
+
+def test_resume_auto_with_only_unusable_checkpoints_stops_saying_why_for_each(tmp_path):
+    for step in (1, 2, 3):
+        ckpt.save(tmp_path, _payload(step), step, keep=3)
+    (tmp_path / "step_0000003.pt").write_bytes(b"")
+    (tmp_path / "step_0000002.pt").write_bytes(b"\0" * 4096)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.find_resume("auto", tmp_path)  # step 1 loads but holds no training state to resume
+    message = str(err.value)
+    assert message.startswith(f"--resume auto: none of the 3 checkpoints in {tmp_path} can be used (step_0000003.pt: ")
+    assert "step_0000002.pt: cannot be loaded (RuntimeError: empty, cut short or not a torch" in message
+    assert "step_0000001.pt: has no random generator states" in message and "weights_only" not in message
+    assert "without --resume" in message and "\n" not in message
+
+
+def test_a_resume_over_a_changed_training_set_stops_unless_allowed(tmp_path, caplog):
+    run = derive(make_config("cpu-tiny"), 1, "cpu").to_dict()
+    saved = {"config": run | {"usable_train_images": 60}}
+    ckpt.check_compatible(saved, run | {"usable_train_images": 60}, tmp_path / "a.pt")
+    with pytest.raises(CheckpointError, match=r"training set changed since .*a.pt was saved \(60 usable images then, "
+                                              r"30 now\).*--allow-data-change"):
+        ckpt.check_compatible(saved, run | {"usable_train_images": 30}, tmp_path / "a.pt")
+    with caplog.at_level(logging.WARNING, logger="maskrcnn_tut.checkpoint"):
+        ckpt.check_compatible(saved, run | {"usable_train_images": 30, "allow_data_change": True}, tmp_path / "a.pt")
+    assert "30 usable training images, 60 when the checkpoint was saved" in caplog.text
 
 
 def test_a_checkpoint_of_another_model_is_refused_saying_what_differs(tmp_path):
@@ -159,13 +226,9 @@ def test_resume_auto_from_the_command_line_skips_a_corrupt_newest_checkpoint(sma
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A real 1 MiB tmpfs (needs root, as CI and the development machine run)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (not root)")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=True)
+    """A real 1 MiB disk."""
+    with tmpfs(tmp_path / "disk", "1m") as mount:
+        yield mount
 
 
 def test_a_full_disk_during_a_real_save_is_one_error_and_keeps_the_previous_checkpoint(small_disk):

@@ -57,11 +57,19 @@ def test_derive_scales_the_lr_to_the_global_batch_and_keeps_the_users_lr():
     cfg = make_config("cpu-tiny", batch_size=4, accum_steps=2, lr=1e-3)
     run = derive(cfg, 4, "cpu")
     assert run.global_batch == 32 and run.lr == cfg.lr == 1e-3 and run.batch_size == 4
-    assert run.scaled_lr == pytest.approx(1e-3 * 32 / REFERENCE_BATCH)
+    assert run.scaled_lr == pytest.approx(1e-3 * (32 / REFERENCE_BATCH) ** 0.5)  # AdamW: the square root
     assert run.pin_memory is False and derive(cfg, 1, "cuda").pin_memory is True
     assert derive(make_config("cpu-tiny", pin_memory=False), 1, "cuda").pin_memory is False
     with pytest.raises(TypeError, match="not from a Run"):
         derive(run, 4, "cpu")  # deriving twice would scale twice
+
+
+@pytest.mark.parametrize("optimizer, rule, factor", [("sgd", "auto", 4.0), ("adamw", "auto", 2.0),
+                                                     ("adamw", "linear", 4.0), ("sgd", "sqrt", 2.0),
+                                                     ("sgd", "none", 1.0)])
+def test_lr_scaling_follows_the_optimizer_unless_named(optimizer, rule, factor):
+    cfg = make_config("cpu-tiny", optimizer=optimizer, lr_scaling=rule, batch_size=8)
+    assert derive(cfg, 4, "cpu").scaled_lr == pytest.approx(cfg.lr * factor)  # 32 images, 4x the reference
 
 
 def test_a_run_cannot_keep_stale_facts():
@@ -74,7 +82,7 @@ def test_a_run_cannot_keep_stale_facts():
     with pytest.raises(TypeError):
         dataclasses.replace(run, batch_size=2)
     smaller = dataclasses.replace(run, settings=dataclasses.replace(run.settings, batch_size=2))
-    assert (smaller.global_batch, smaller.scaled_lr) == (4, pytest.approx(run.scaled_lr / 2))
+    assert (smaller.global_batch, smaller.scaled_lr) == (4, pytest.approx(run.scaled_lr / 2 ** 0.5))
     assert dataclasses.replace(run, world_size=4).global_batch == 16
 
 

@@ -96,5 +96,5 @@ def test_print_config_shows_the_settings_and_what_the_run_derives_without_traini
     printed = json.loads(out.stdout)
     assert printed["backbone"] == "resnet18" and printed["lr"] == 0.004  # the user's lr stays as typed
     assert printed["derived"] == {"world_size": 1, "device": "cpu", "global_batch": 6,
-                                  "scaled_lr": pytest.approx(0.004 * 6 / REFERENCE_BATCH),
+                                  "scaled_lr": pytest.approx(0.004 * (6 / REFERENCE_BATCH) ** 0.5),
                                   "precision": "float32", "pin_memory": False}

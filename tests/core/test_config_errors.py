@@ -3,6 +3,7 @@ traceback, the same under torchrun on every rank."""
 
 import pytest
 import torch
+from checkpoints import resumable_payload
 from conftest import TRAIN_SCRIPT, run_train
 
 from maskrcnn_tut import checkpoint as ckpt
@@ -69,10 +70,8 @@ def test_valid_presets_pass(monkeypatch):
 
 
 def _incompatible_checkpoint(path):
-    """A loadable checkpoint of a ResNet-34 model: `--resume` must refuse it before training."""
-    config = make_config("cpu-tiny", backbone="resnet34").to_dict() | {
-        "num_classes": 4, "class_names": ["square", "circle", "triangle"]}  # the shapes' classes
-    ckpt.atomic_save({"model": {}, "state": {}, "config": config}, path)
+    """A checkpoint train.py could have written for a ResNet-34 model: `--resume` must refuse it before training."""
+    ckpt.atomic_save(resumable_payload(1, backbone="resnet34"), path)
     return path
 
 

@@ -1,5 +1,5 @@
 """bench.cache: one measurement per hardware, code and arguments, read back by every later call, with
-the spread of each row's step times; the verdict helpers that let prose say "too noisy to tell"."""
+the spread of each row's step times; the verdict helpers that let prose say "within noise"."""
 from __future__ import annotations
 
 import json
@@ -140,7 +140,7 @@ def test_other_work_on_the_machine_is_measured_and_named():
     busy = BenchResult("t", "t", [], [], [], {"cache": {"other load": 0.6}})
     assert bench.machine_busy(quiet) == "" and bench.machine_busy(BenchResult("t", "t", [], [], [], {})) == ""
     assert "60% of this machine's cores busy" in bench.machine_busy(busy)
-    assert "too noisy to tell" in bench.machine_busy(busy)
+    assert "as within noise" in bench.machine_busy(busy)
     assert cache._cpu_seconds() is None or all(v >= 0 for v in cache._cpu_seconds())
 
 

@@ -39,7 +39,7 @@ def test_the_predicted_bounds():
     assert by_n[2]["speedup overlapped"] == pytest.approx(2 * 0.1 / 0.25)
     for row in rows:
         assert row["speedup not overlapped"] <= row["speedup overlapped"] <= row["devices"]
-    fast = projection.predict(0.1, 1e6, counts=(8,), links={"fast": (300.0, 50.0)})[0]
+    fast = projection.predict(0.1, 1e6, counts=(8,), links={"fast": (300.0, 50.0)}, backward_share=0.6)[0]
     assert fast["speedup overlapped"] == 8  # hidden completely
 
 
@@ -83,7 +83,7 @@ def test_the_plot_draws_everything(monkeypatch):
     matplotlib.use("Agg")
     rows = [_row("Single", 4.0, 1.0, 1), _row("DDP(2)", 7.4, 1.85, 2)]
     curve = BenchResult("scaling", "s", [dict(r, devices=d) for r, d in zip(rows, (1, 2))], [], [], {"hardware": "cpu"})
-    paper = projection.predict(0.4, 178e6)
+    paper = projection.predict(0.4, 178e6, backward_share=0.6)
     fig = projection.plot_scaling(curve, paper, "title", book.ARTICLE_SPEED_TABLE)
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert any("measured here" in label for label in labels) and any("NVIDIA" in label for label in labels)

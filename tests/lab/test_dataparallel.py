@@ -90,3 +90,16 @@ def test_replicas_run_under_the_callers_autocast_dtype():
         seen = parallel_forward(replicas, [(torch.ones(1),), (torch.ones(1),)], devices)
     assert seen == [(True, torch.bfloat16, False)] * 2
     assert parallel_forward(replicas, [(torch.ones(1),)] * 2, devices)[0][0] is False
+
+
+def test_torch_scatter_chunks_each_image_along_its_channels_and_each_target_by_instance():
+    """Old finding 16: nn.DataParallel's own scatter cuts every image tensor along dim 0 (its 3
+    channels) and every target's boxes by instance; no device gets whole images."""
+    from maskrcnn_tut.lab.dataparallel import torch_scatter
+    images = [torch.zeros(3, 10 + i, 12) for i in range(4)]
+    targets = [{"boxes": torch.zeros(2 + i, 4), "labels": torch.zeros(2 + i, dtype=torch.int64)} for i in range(4)]
+    first, second = torch_scatter(images, targets, 2)
+    assert first["images"] == second["images"] == 4  # every device gets a piece of every image
+    assert first["image shapes"].startswith("2x10x12") and second["image shapes"].startswith("1x10x12")
+    assert first["boxes per target"] == [1, 2, 2, 3] and second["boxes per target"] == [1, 1, 2, 2]
+    assert len(torch_scatter(images, targets, 4)) == 2  # a target with 2 boxes splits 2 ways: only 2 devices

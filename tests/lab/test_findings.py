@@ -44,9 +44,9 @@ def test_compare_figures_uses_the_noise_threshold(a, verdict):
 
 
 def test_words_name_the_other_side_and_explain_noise_once():
-    assert wording.words(FASTER, "fp32") == "faster than fp32, beyond the spread of both"
-    assert wording.words(SLOWER) == "slower, beyond the spread of both"
-    assert wording.words(WITHIN_NOISE, "fp32") == f"within noise of fp32: {wording.noise()}"
+    assert wording.words(FASTER, "fp32") == "faster than fp32"
+    assert wording.words(SLOWER) == "slower"
+    assert wording.words(WITHIN_NOISE, "fp32") == "within noise of fp32"
     assert wording.words(NO_SPREAD, "fp32") == "no spread recorded"
     assert wording.times(1.234) == "1.23 times"
     assert wording.Comparison(0.5, SLOWER).words("x", slower="own words") == "own words"
@@ -138,15 +138,6 @@ HOSTS = {
 }
 
 
-@pytest.mark.parametrize("host, ddp, other", [("2-core CPU", "DDP(2) (2 processes x 1 thread)",
-                                               "Single (1 process x 2 threads)"),
-                                              ("1 GPU", None, None), ("8 GPUs", "DDP(8)", "DP(8)")])
-def test_ddp_speedup_sets_the_right_row_beside_ddp(host, ddp, other):
-    found = speed_findings.ddp_speedup(result(HOSTS[host]))
-    assert found["base"]["setup"] == HOSTS[host][0]["setup"]
-    assert (found["ddp"] or {}).get("setup") == ddp and (found["other"] or {}).get("setup") == other
-
-
 @pytest.mark.parametrize("slower, verdict", [(True, SLOWER), (False, FASTER), (None, WITHIN_NOISE)])
 def test_own_work_verdict(slower, verdict):
     summary = {"own work alone": (100.0, 90, 110), "own work under DDP": (130.0, 120, 140), "slower_under_ddp": slower,
@@ -154,17 +145,6 @@ def test_own_work_verdict(slower, verdict):
     found = speed_findings.own_work(summary)
     assert found["verdict"] == verdict and found["slowdown"] == pytest.approx(0.3)
     assert found["transfer share"] == pytest.approx(0.025)
-
-
-def test_ddp_gap_on_a_cpu_and_without_ddp():
-    summary = {"own work alone": (1.0,), "own work under DDP": (1.0,), "slower_under_ddp": None,
-               "transfer": (1.0,), "step under DDP": (1.0,)}
-    gap = speed_findings.ddp_gap(result(HOSTS["2-core CPU"]), summary)
-    assert gap["devices"] == 2 and gap["ideal"] == SLOWER and gap["own work"] == WITHIN_NOISE
-    assert not gap["no_faster_without_allreduce"]  # 1.9 lies above DDP's 1.8 beyond both spreads
-    rows = HOSTS["2-core CPU"][:3] + [speed_row("DDP(2) (2 processes x 1 thread)", 2.1, 2, 1, spread=0.1)]
-    assert speed_findings.ddp_gap(result(rows), summary)["ideal"] == WITHIN_NOISE
-    assert speed_findings.ddp_gap(result(HOSTS["1 GPU"]), summary) is None
 
 
 def test_allreduce_cost_is_within_noise_on_a_busy_machine():
@@ -291,20 +271,9 @@ def test_curve_against_paper(point, busy, verdict):
     assert found["verdict"] == verdict and found["bounds"] == pytest.approx((1.6, 1.7))
 
 
-def test_article_bounds_and_the_first_inefficient_row():
-    published = {"gpus": [1, 4, 8], "img/s": [10.0, 36.0, 60.0]}
-    found = scale_findings.article_bounds(PAPER, (0.94, 0.94), published)
-    assert (found["PCIe 4"], found["PCIe 64"], found["NVLink 8"], found["PCIe 8"]) == (0.95, 0.85, 0.99, 0.93)
-    assert found["article below"] and found["all-reduce ms PCIe 4"] == 30.0
-    assert found["published efficiencies"] == pytest.approx([1.0, 0.9, 0.75]) and found["published far below"]
-    assert not scale_findings.article_bounds(PAPER, (0.96, 0.9), {**published, "img/s": [10, 40, 78]})["article below"]
+def test_the_first_inefficient_row():
     assert scale_findings.first_inefficient(PAPER, 0.9)["devices"] == 2
     assert scale_findings.first_inefficient(PAPER[1:3], 0.9) is None
-
-
-def test_straggler_answer():
-    assert scale_findings.straggler_answer(2, 1.2) == {"ratio": 1.5, "warns": True}
-    assert scale_findings.straggler_answer(8, 1.2) == {"ratio": 1.125, "warns": False}
 
 
 # --------------------------------------------------------------------------- a speed table's sentences
@@ -334,7 +303,7 @@ def test_table_verdicts_say_within_noise_when_the_ranges_overlap():
     noisy = scale_findings.table_verdicts(_cpu_table((1.6, 2.0), (1.7, 2.0)))
     assert noisy["result"] == ("Here DDP(2) (2 processes x 1 thread) reached 1.80x (IQR 1.60-2.00x) the speed of "
                                "Single (1 process x 1 thread), a scaling efficiency of 90 %.")
-    assert noisy["allreduce"].endswith(": the ranges overlap, too noisy to tell apart, so the all-reduce cost "
+    assert noisy["allreduce"].endswith(": the ranges overlap, so the all-reduce cost "
                                     "nothing measurable here.")
     assert "DDP's processes beat" in noisy["threads"]
     assert noisy["dp"].startswith("There is no DP row: DataParallel needs >= 2 GPUs")
@@ -367,4 +336,4 @@ def test_a_busy_machine_makes_every_table_comparison_within_noise():
     verdicts = scale_findings.table_verdicts(table)
     assert "70% of this machine's cores busy" in verdicts["result"]
     assert "measured on a busy machine, so what the all-reduce cost cannot be told" in verdicts["allreduce"]
-    assert verdicts["threads"].endswith("within noise of DDP: the ranges overlap, too noisy to tell apart.")
+    assert verdicts["threads"].endswith("within noise of DDP.")

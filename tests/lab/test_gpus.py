@@ -120,3 +120,23 @@ def test_gpu_health_without_nvidia_is_empty(swapped_gpus):
 def test_nvlink_links_by_cuda_index_and_nvml_shut_down_after(swapped_gpus):
     assert gpus.nvlink_links([0, 1], swapped_gpus) == [4, 0] and swapped_gpus.open == 0
     assert gpus.nvlink_links([0, 1], NoDriver(2)) is None
+
+
+def test_a_kernel_holding_an_exclusive_gpu_stops_launch_in_one_line(monkeypatch):
+    """GPU review C10: in EXCLUSIVE_PROCESS mode a worker's first CUDA call fails once the kernel holds
+    the GPU; `launch` says so before it starts any worker, and health readings name the mode."""
+    from maskrcnn_tut.errors import WorkerError
+    from maskrcnn_tut.lab import processes
+
+    nvml = host(monkeypatch, FakeNvml(gpus=2, exclusive=frozenset({1})), "1,0")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # CUDA's 0 is NVML's 1 here
+    assert gpus.exclusive_gpu_held() is None  # no context yet: the workers may take the GPU
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert gpus.exclusive_gpu_held() == 0 and nvml.open == 0
+    health = {g["gpu"]: g for g in gpus.gpu_health(nvml)}
+    assert health[0]["exclusive"] and "EXCLUSIVE_PROCESS" in health[0]["finding"] and not health[1]["exclusive"]
+    with pytest.raises(WorkerError, match="GPU 0 is in EXCLUSIVE_PROCESS compute mode") as stop:
+        processes.launch(print, 2)
+    assert "\n" not in str(stop.value)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert gpus.exclusive_gpu_held() is None  # the kernel's GPU is in the default mode

@@ -12,7 +12,7 @@ def _flags() -> tuple:
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
 
 
-def test_proof_gradients_run_without_tf32_and_with_deterministic_cudnn(monkeypatch):
+def test_proof_gradients_run_without_tf32_and_with_deterministic_cudnn(monkeypatch, backend_flags):
     seen = []
     forward = proofs.TinyDetector.forward
 
@@ -21,8 +21,8 @@ def test_proof_gradients_run_without_tf32_and_with_deterministic_cudnn(monkeypat
         return forward(self, images, targets)
 
     monkeypatch.setattr(proofs.TinyDetector, "forward", recording_forward)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # the defaults on a GPU, and a fast path's
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    torch.backends.cudnn.allow_tf32 = True  # the defaults on a GPU, and a fast path's
+    torch.backends.cuda.matmul.allow_tf32 = True
     before = _flags()
     assert proofs.accumulation_check(accum_steps=2, batch_size=2) < 1e-6
     assert seen and set(seen) == {(False, False, True, False)}

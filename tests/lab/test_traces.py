@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import matplotlib
 import pytest
@@ -19,6 +20,7 @@ from maskrcnn_tut.lab import (  # noqa: E402
     diagrams,
     memory,
     timeline,
+    trace_plots,
     traces,
 )
 
@@ -55,8 +57,8 @@ def test_diagrams_draw():
 # --------------------------------------------------------------------------- reading a trace
 
 
-def _event(name, ts, dur, tid=1):
-    return {"ph": "X", "name": name, "ts": float(ts), "dur": float(dur), "tid": tid, "pid": 7}
+def _event(name, ts, dur, tid=1, **args):
+    return {"ph": "X", "name": name, "ts": float(ts), "dur": float(dur), "tid": tid, "pid": 7, "args": args}
 
 
 def synthetic_rank(shift=0.0, start_reduce=1300.0):
@@ -68,7 +70,7 @@ def synthetic_rank(shift=0.0, start_reduce=1300.0):
         _event("c10d::broadcast_", s + 55, 5), _event("c10d::broadcast_", s + 61, 5),
         _event("autograd::engine::evaluate_function: AddmmBackward0", s + 450, 500),
         _event("autograd::engine::evaluate_function: ConvBackward0", s + 950, 350),
-        _event("c10d::allreduce_", s + 1290, 5),
+        _event("c10d::allreduce_", s + 1290, 5, **{"Input Dims": [[[2**18]], [], []]}),
         _event("gloo:all_reduce", s + start_reduce, s + 1400 - (s + start_reduce), tid=2),
         _event("c10d::allreduce_", s + 1402, 2),
         _event("gloo:all_reduce", s + 1403, 4, tid=3),  # the step's small logging all-reduce
@@ -84,12 +86,35 @@ def test_step_phases_reads_a_step():
     assert row["all-reduce ms"] == pytest.approx(0.15)  # the small all-reduce is not a gradient bucket
     assert row["all-reduce during backward ms"] == pytest.approx(0.05)
     assert row["own work ms"] == pytest.approx(1.35) and row["waiting ms"] == pytest.approx(0.15)
+    assert row["bucket MiB"] == [1.0] and row["all-reduces per backward"] == [1]  # 2**18 fp32 values, measured
+
+
+def synthetic_no_sync_rank():
+    """Two micro-steps (µs): forward 0-100 and backward 100-300 under no_sync (no bucket launched),
+    forward 300-400 and backward 400-600 launching two buckets, their all-reduces 550-700."""
+    return [
+        _event(traces.STEP, 0, 800), _event(traces.FORWARD, 0, 100),
+        _event("autograd::engine::evaluate_function: ConvBackward0", 100, 200), _event(traces.FORWARD, 300, 100),
+        _event("autograd::engine::evaluate_function: ConvBackward0", 400, 200),
+        _event("c10d::allreduce_", 500, 2, **{"Input Dims": [[[2**19]]]}),
+        _event("c10d::allreduce_", 590, 2, **{"Input Dims": [[[2**18]]]}),
+        _event("gloo:all_reduce", 550, 50, tid=2), _event("gloo:all_reduce", 600, 100, tid=2),
+    ]
+
+
+def test_step_phases_splits_accumulated_micro_steps():
+    """no_sync: the first backward launches nothing, the last launches every bucket; backward time is
+    the two backward passes, not the span from the first to the last (which holds a forward)."""
+    (row,) = traces.step_phases(synthetic_no_sync_rank())
+    assert row["all-reduces per backward"] == [0, 2] and row["bucket MiB"] == [2.0, 1.0]
+    assert row["backward ms"] == pytest.approx(0.4) and row["backward span"] == (400.0, 600.0)
+    assert row["all-reduce during backward ms"] == pytest.approx(0.05)
 
 
 def test_transfer_and_wait_split_the_last_bucket_between_ranks():
     early, late = traces.step_phases(synthetic_rank(start_reduce=1300.0)), \
         traces.step_phases(synthetic_rank(start_reduce=1360.0))
-    trace = traces.DDPTrace(steps={"ddp": [early, late]}, bucket_mb={}, bucket_cap_mb=100.0, batch_size=8)
+    trace = traces.DDPTrace(steps={"ddp": [early, late]}, bucket_cap_mb=100.0, batch_size=8)
     (t0, w0), (t1, w1) = trace.transfer_and_wait()
     assert (t0, t1) == pytest.approx((0.04, 0.04)) and (w0, w1) == pytest.approx((0.06, 0.0))
 
@@ -106,16 +131,40 @@ def test_gradient_report_sizes_the_gradients():
     assert row["sent per rank, N=4 (MiB)"] == pytest.approx(1.5 * row["gradients MiB"])
 
 
+def test_ddp_trace_labels_its_cpu_processes_not_the_gpus(monkeypatch):
+    """M4: the trace hides the GPUs, so an 8-GPU host's label must not name them."""
+    from fake_gpus import FakeNvml, host
+
+    from maskrcnn_tut.lab import machine
+    host(monkeypatch, FakeNvml(8), "0,1,2,3,4,5,6,7")
+
+    def fake_launch(worker, nprocs, cfg, steps, warmup, folder, backend):
+        phases = traces.PHASES[:1] if nprocs == 1 else traces.PHASES[1:]
+        for phase in phases:
+            for rank in range(nprocs):
+                events = synthetic_no_sync_rank() if phase == "ddp_no_sync" else synthetic_rank()
+                (Path(folder) / f"{phase}.{rank}.json").write_text(json.dumps({"traceEvents": events}))
+
+    monkeypatch.setattr(traces.processes, "launch", fake_launch)
+    trace = traces.ddp_trace(steps=1, warmup=0)
+    assert "Fake GPU" in machine.hardware_label() and "Fake GPU" not in trace.hardware
+    assert "GPUs hidden" in trace.hardware
+    summary = trace.summary()
+    assert summary["all-reduces per backward, no_sync"] == [0, 2] and summary["all-reduces per step"] == 1
+    assert summary["backward share alone"][0] == pytest.approx(0.85 / 1.5)
+
+
 @pytest.mark.system
 def test_ddp_trace_profiles_real_steps(tmp_path):
-    trace = traces.ddp_trace(steps=1, warmup=1, batch_size=1, min_size=64, max_size=96)
+    trace = traces.ddp_trace(steps=1, warmup=1, batch_size=2, min_size=64, max_size=96)
     for phase in traces.PHASES:
         assert len(trace.steps[phase]) == (1 if phase == "single" else 2)
         assert all(row["forward ms"] > 0 and row["backward ms"] > 0 for row in trace.rows(phase))
     assert all(row["gradient all-reduces"] == 0 for row in trace.rows("single"))
-    assert all(row["gradient all-reduces"] == len(trace.bucket_mb["ddp"]) == 1 for row in trace.rows("ddp"))
-    assert all(row["gradient all-reduces"] == len(trace.bucket_mb["ddp_small_buckets"]) >= 2
-               for row in trace.rows("ddp_small_buckets"))
+    assert all(row["gradient all-reduces"] == len(row["bucket MiB"]) == 1 for row in trace.rows("ddp"))
+    assert all(row["gradient all-reduces"] == len(row["bucket MiB"]) >= 2 for row in trace.rows("ddp_small_buckets"))
+    assert all(row["all-reduces per backward"][0] == 0 and row["all-reduces per backward"][-1] >= 2
+               for row in trace.rows("ddp_no_sync"))  # no_sync: only the last micro-step all-reduces
     assert all(row["buffer broadcasts"] >= 1 for row in trace.rows("ddp"))  # BatchNorm buffers, every forward
     # one bucket: its all-reduce can start only when backward has produced the last gradient
     assert all(row["all-reduce during backward ms"] <= 0.1 * row["all-reduce ms"] + 1 for row in trace.rows("ddp"))
@@ -124,7 +173,10 @@ def test_ddp_trace_profiles_real_steps(tmp_path):
     events = json.loads(gzip.open(path, "rt").read())["traceEvents"]
     assert {"rank 0", "rank 1"} <= {e.get("pid") for e in events}
     assert any(e.get("name") == "gloo:all_reduce" for e in events)
-    assert len(trace.table()) == 3
+    assert len(trace.table()) == 4
+    import matplotlib.pyplot as plt
+    for fig in (trace_plots.plot_buckets(trace), trace_plots.plot_steps(trace, ("ddp", "ddp_no_sync"), "t")):
+        plt.close(fig)
 
 
 # --------------------------------------------------------------------------- memory timeline, shapes
@@ -194,3 +246,13 @@ def test_cuda_memory_timeline(tmp_path):
     points, _ = timeline.cuda_memory_timeline(cfg, 1, tmp_path / "snapshot.pickle")
     assert points and (tmp_path / "snapshot.pickle").stat().st_size > 0
     assert max(mb for _, mb in points) > 0
+
+
+def test_buffer_sync_words_name_both_keywords_by_torch_version(monkeypatch):
+    """L8: torch 2.13+ calls it forward_sync_buffers (broadcast_buffers deprecated); older torch the reverse."""
+    monkeypatch.setattr(traces, "ddp_buffer_sync_keyword", lambda cls: "forward_sync_buffers")
+    new = traces.buffer_sync_words(3)
+    assert "`forward_sync_buffers`" in new and "`broadcast_buffers` is its deprecated older name" in new
+    monkeypatch.setattr(traces, "ddp_buffer_sync_keyword", lambda cls: "broadcast_buffers")
+    old = traces.buffer_sync_words(3)
+    assert "calls the switch `broadcast_buffers`" in old and "`forward_sync_buffers` is its name from torch 2.13" in old

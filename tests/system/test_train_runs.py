@@ -25,7 +25,7 @@ def _check_outputs(run_dir, world_size, steps, batch, accum=1):
     derived = config["derived"]  # what the run decided, apart from the settings
     assert derived["world_size"] == world_size and config["batch_size"] == batch
     assert derived["global_batch"] == batch * accum * world_size
-    assert derived["scaled_lr"] == pytest.approx(config["lr"] * derived["global_batch"] / 8)
+    assert derived["scaled_lr"] == pytest.approx(config["lr"] * (derived["global_batch"] / 8) ** 0.5)  # AdamW
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert METRIC_KEYS <= set(metrics[-1])

@@ -19,7 +19,7 @@ Each measured row carries its spread from the measurement itself (`timing_row`, 
 img/s (`"img/s lo"`, `"img/s hi"`: `monitor.img_per_s_quartiles`). A cached result's rows with a
 speedup also get the speedup's range against the first row (`"speedup lo"`, `"speedup hi"`:
 this row's low over the baseline's high, and its high over the baseline's low). `interval(row)`,
-`versus(a, b)` and `spread_text(row)` read them, so prose can say "too noisy to tell" when two
+`versus(a, b)` and `spread_text(row)` read them, so prose can say "within noise" when two
 intervals overlap. The share of the machine's cores that *other*
 processes kept busy meanwhile is kept too (`provenance["cache"]["other load"]`; `machine_busy`):
 on a shared machine rows measured one after another meet different loads, which no row's own
@@ -138,7 +138,7 @@ def add_spread(result: BenchResult) -> bool:
     if "img/s" in result.columns and "img/s IQR" not in result.columns:
         result.columns.insert(result.columns.index("img/s") + 1, "img/s IQR")
     result.notes.append("img/s IQR: images per step over the 75th and 25th percentile step times (the middle "
-                        "half of the measured steps); speedups whose ranges overlap are too noisy to tell apart.")
+                        "half of the measured steps); two rows whose ranges overlap are within noise of each other.")
     return True
 
 
@@ -150,8 +150,8 @@ def interval(row: dict | None, key: str = "img/s") -> tuple[float, float] | None
 
 
 def versus(a: dict | None, b: dict | None, key: str = "img/s") -> int | None:
-    """+1 when a's whole range of `key` lies above b's, -1 below, 0 when they overlap (too noisy to
-    tell); None when either has no spread."""
+    """+1 when a's whole range of `key` lies above b's, -1 below, 0 when they overlap (within
+    noise); None when either has no spread."""
     ia, ib = interval(a, key), interval(b, key)
     if ia is None or ib is None:
         return None
@@ -209,7 +209,7 @@ def machine_busy(result: BenchResult) -> str:
     if share is None or share <= BUSY_SHARE:
         return ""
     return (f"While this was measured, other processes kept {share:.0%} of this machine's cores busy, so rows "
-            "measured one after another met different loads: every comparison between them is too noisy to tell.")
+            "measured one after another met different loads: read every comparison between them as within noise.")
 
 
 # --------------------------------------------------------------------------- the cache

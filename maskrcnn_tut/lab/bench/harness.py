@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -216,10 +217,30 @@ def environment(**variables: str):
                 os.environ[name] = value
 
 
+#: The monotonic times set by `launch_deadline` blocks, innermost last.
+_DEADLINES: list[float] = []
+
+
+@contextlib.contextmanager
+def launch_deadline(seconds: float):
+    """Inside the block, every `launch_measure` ends within `seconds` from now (the launcher's
+    timeout stops its workers), so a caller bounds a whole table or sweep without new arguments."""
+    _DEADLINES.append(time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _DEADLINES.pop()
+
+
 def launch_measure(cfg: Config, nprocs: int, runs: list[dict], threads: int | None = None) -> list[Measurement]:
     """`measure_worker` in `nprocs` fresh processes, each pinned to `threads` CPU threads (default:
     its share of the usable cores). A worker's failure is raised as a one-line `WorkerError`."""
     threads = threads or max(1, usable_cores() // nprocs)
     runs = [{"threads": threads, **run} for run in runs]
+    timeout = {}
+    if _DEADLINES:
+        timeout["timeout_s"] = _DEADLINES[-1] - time.monotonic()
+        if timeout["timeout_s"] <= 0:
+            raise BenchError("no time left for this measurement (its launch_deadline has passed)")
     with environment(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)):
-        return processes.launch(measure_worker, nprocs, cfg, runs)
+        return processes.launch(measure_worker, nprocs, cfg, runs, **timeout)

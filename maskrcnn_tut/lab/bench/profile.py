@@ -20,6 +20,9 @@ from .harness import bench_config
 
 #: Operators that make the host wait for the device (a sync point inside a step).
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "torchvision::nms")  # .item() ends in the first
+#: On CUDA every wait, those operators' and any other's (a `.cpu()` copy, an explicit synchronize), ends in
+#: one of these runtime calls, so they alone count the waits there, each once.
+CUDA_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 PARTS = {"backbone + FPN": "backbone", "RPN (anchors, proposals, NMS)": "rpn", "RoI heads (box + mask)": "roi_heads"}
 
 
@@ -39,6 +42,12 @@ def _mark_parts(model) -> list:
 
         handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     return handles
+
+
+def sync_points(events, on_cuda: bool) -> dict[str, int]:
+    """How often the host waited for the device, by the profiler event that shows the wait."""
+    names = CUDA_WAITS if on_cuda else SYNC_OPS
+    return {e.key: e.count for e in events if e.key in names}
 
 
 def what_remains(preset: str | None = None, warmup: int = 2, **overrides) -> dict:
@@ -63,6 +72,6 @@ def what_remains(preset: str | None = None, warmup: int = 2, **overrides) -> dic
     operators = sorted((e for e in events if e.key.startswith(("aten::", "torchvision::"))),
                        key=lambda e: e.self_cpu_time_total, reverse=True)
     top = [{"operator": e.key, "calls": e.count, "self host ms": e.self_cpu_time_total / 1000} for e in operators[:10]]
-    syncs = {e.key: e.count for e in events if e.key in SYNC_OPS}
+    syncs = sync_points(events, on_cuda=device.type == "cuda")
     return {"step host ms": step_ms, "parts": parts, "top operators": top, "sync points": syncs,
             "operator calls": sum(e.count for e in operators), "preset": cfg.preset, "device": str(device)}

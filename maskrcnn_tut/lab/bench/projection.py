@@ -14,9 +14,11 @@ curve this machine measures (1, 2, 4, ... devices) and the curve a ring all-redu
   NVIDIA's published points.
 
 The bandwidths are the usual per-direction figures for each link (assumptions, not measurements):
-PCIe 4.0 x16 about 25 GB/s in practice (32 on paper), NVLink (A100) about 300 GB/s per direction,
-InfiniBand HDR / NDR about 25 / 50 GB/s per node. Beyond `GPUS_PER_NODE` GPUs the ring crosses
-nodes, and its slowest hop sets the pace. Latency (microseconds per hop) is left out: it adds
+PCIe 3.0 x16 about 12 GB/s in practice (the article's RTX 2080 Ti; GeForce cards lack PCIe P2P, so
+NCCL goes through host memory), PCIe 4.0 x16 about 25 GB/s (32 on paper), NVLink (A100) about 300
+GB/s per direction, InfiniBand HDR / NDR about 25 / 50 GB/s per NIC (DGX-class nodes have one per
+GPU). The share of a step an all-reduce can hide behind is backward's, which the caller measures.
+Beyond `GPUS_PER_NODE` GPUs the ring crosses nodes, and its slowest hop sets the pace. Latency (microseconds per hop) is left out: it adds
 2(N-1) hops per bucket and matters only at large N with small buckets.
 """
 from __future__ import annotations
@@ -36,14 +38,12 @@ from .scaling import CPU_TABLE_BATCH, table
 
 #: GPUs per node before a ring all-reduce has to cross the network between nodes.
 GPUS_PER_NODE = 8
-#: The share of a step that is backward, which an all-reduce can hide behind (backward costs about
-#: twice the forward pass; the optimizer step and data wait are left out).
-BACKWARD_SHARE = 2 / 3
 #: (GB/s within a node, GB/s between nodes), per direction.
 LINKS = {
-    "PCIe ~25 GB/s; InfiniBand ~25 GB/s between nodes": (25.0, 25.0),
-    "NVLink ~300 GB/s; InfiniBand ~25 GB/s between nodes": (300.0, 25.0),
-    "NVLink ~300 GB/s; InfiniBand ~50 GB/s between nodes": (300.0, 50.0),
+    "PCIe 3.0 ~12 GB/s (RTX 2080 Ti); InfiniBand ~25 GB/s per NIC": (12.0, 25.0),
+    "PCIe 4.0 ~25 GB/s; InfiniBand ~25 GB/s per NIC": (25.0, 25.0),
+    "NVLink ~300 GB/s; InfiniBand ~25 GB/s per NIC": (300.0, 25.0),
+    "NVLink ~300 GB/s; InfiniBand ~50 GB/s per NIC": (300.0, 50.0),
 }
 PAPER_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 #: The article's recommended card (「推奨：RTX 2080 Ti またはそれ以上」) has 11 GB.
@@ -60,6 +60,7 @@ PUBLISHED_SCALING = {
     "source": "NVIDIA DeepLearningExamples, PyTorch/Segmentation/MaskRCNN/README.md, training performance on "
               "NVIDIA DGX-1 (8x V100 16 GB, NVLink), PyTorch 19.02 NGC container, FP32, 2 images per GPU",
     "gpus": [1, 4, 8], "img/s": [8.47, 30.23, 56.35], "printed scaling": [1, 3.67, 6.96],
+    "link": {"NVLink2 (DGX-1 V100) ~150 GB/s": (150.0, 150.0)},
 }
 
 
@@ -105,11 +106,12 @@ def link_gbps(n: int, within: float, between: float, gpus_per_node: int = GPUS_P
 
 
 def predict(step_s: float, gradient_bytes: float, counts: Sequence[int] = PAPER_COUNTS,
-            links: dict[str, tuple[float, float]] = LINKS, backward_share: float = BACKWARD_SHARE) -> list[dict]:
+            links: dict[str, tuple[float, float]] = LINKS, *, backward_share: float) -> list[dict]:
     """Weak scaling on paper: each device keeps the measured single-device `step_s` of compute and
     adds a ring all-reduce of `gradient_bytes` over the link. Per (link, N): the all-reduce ms, the
-    speedup when it is hidden behind backward as far as backward lasts (best case) and when it is
-    not hidden at all (worst case), and the matching scaling efficiencies."""
+    speedup when it is hidden behind backward as far as backward lasts (`backward_share` of the
+    step, measured; best case) and when it is not hidden at all (worst case), and the matching
+    scaling efficiencies."""
     rows = []
     for name, (within, between) in links.items():
         for n in counts:

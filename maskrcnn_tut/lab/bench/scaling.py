@@ -102,14 +102,15 @@ def table(preset: str | None = None, nprocs: int | None = None, steps: int = 16,
                      "framework and batches).")
         if n >= 2:
             notes.append("The last row trains the same processes without DDP: the gap to it is what the gradient "
-                         "all-reduce costs; its own gap to N x the baseline is the hardware's (cores sharing cache "
-                         "and memory bandwidth) and the wait for the slower process at each step.")
+                         "all-reduce costs; its own gap to N x the baseline is the processes' own work, slower when "
+                         "every core computes (shared caches, memory bandwidth or clocks), and the wait for the "
+                         "slower process at each step.")
         if n * per_process > cores:
             notes.append(f"{n} processes share {cores} usable cores, so they take turns on them: these rows show "
                          "what DDP costs, not how it scales (scaling efficiency counts the cores used).")
         if cfg.batch_size == CPU_TABLE_BATCH:
             notes.append(f"Batch {CPU_TABLE_BATCH} per process: a step's fixed costs (the last gradient "
-                         "bucket's all-reduce, a few percent of a step here, and the wait for the slower rank) "
+                         "bucket's all-reduce and the wait for the slower rank) "
                          "are spread over more images "
                          "(`--batch-size 4` shows the preset's batch; chapter 9 measures the effect).")
     baseline = rows[0]["img/s"]

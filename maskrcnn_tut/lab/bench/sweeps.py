@@ -229,14 +229,18 @@ FAST_PATH_COLUMNS = ["setting", "img/s", "img/s all steps", "warm-up s", "comput
 
 
 def sweep_fast_path(preset: str | None = None, steps: int = 12, warmup: int = 3, data_path: str | None = None,
-                    max_seconds: float | None = None, compiled: bool = True, **overrides) -> BenchResult:
+                    max_seconds: float | None = None, compiled: bool = True, only_compiled: bool = False,
+                    **overrides) -> BenchResult:
     """Beyond the article: each lever of the fast path alone, then all together, against eager.
 
     Each setting runs in a fresh process, so every compilation is counted in its own row's
     'warm-up s' (the warm-up steps, where torch.compile compiles each new shape), apart from the
     measured steps' img/s. `compiled=False` leaves out the compiled rows (compiling costs tens of
-    seconds per shape on a CPU).
+    seconds per shape on a CPU); `only_compiled=True` keeps just eager and the compiled rows (the GPU
+    suite measures those last, when minutes are left for cold compiles).
     """
+    if only_compiled and not compiled:
+        raise ValueError("only_compiled=True needs compiled=True")
     cfg = bench_config(preset, data_path, **overrides)
     cuda = torch.cuda.is_available()
     fixed = {"fixed_shapes": True, "aspect_ratio_group_factor": 0}  # batches of one orientation: one shape each
@@ -247,12 +251,15 @@ def sweep_fast_path(preset: str | None = None, steps: int = 12, warmup: int = 3,
                  {**fixed, "compile_backbone": True, "channels_last": True})]
     if not compiled:
         settings = [(label, knobs) for label, knobs in settings if not knobs.get("compile_backbone")]
+    if only_compiled:
+        settings = [(label, knobs) for label, knobs in settings if not knobs or knobs.get("compile_backbone")]
     skipped = [("JPEG decode on the device (--decode-on-device)", "the benchmark's shapes data is PNG, which stays "
                 "in the workers; time it with train.py on JPEG photos")]
     result = _sweep("fast_path", "Beyond the article: the fast path lever by lever", cfg, settings,
                     python_call("bench.sweep_fast_path", preset=preset, steps=steps, warmup=warmup,
                                 data_path=data_path, max_seconds=max_seconds, compiled=None if compiled else False,
-                                **overrides), steps, warmup, max_seconds, skipped, process_per_setting=True)
+                                only_compiled=only_compiled or None, **overrides),
+                    steps, warmup, max_seconds, skipped, process_per_setting=True)
     result.columns = FAST_PATH_COLUMNS
     eager = result.rows[0]["img/s"]
     for row in result.rows:

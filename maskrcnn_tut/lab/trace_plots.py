@@ -1,0 +1,95 @@
+"""The pictures of a `traces.DDPTrace`: DDP's three ideas, each drawn from the steps it profiled.
+
+- `plot_buckets(trace)`: one rank's backward with the moment each gradient bucket was ready and
+  its all-reduce launched, labelled with the bucket's measured size (idea 1, buckets).
+- `plot_steps(trace, phases)`: one profiled step of each rank per phase, one lane per rank for its
+  main thread (data, forward, backward, optimizer) and one for gloo's threads (gradient
+  all-reduces, buffer broadcasts): with one bucket against several it shows the overlap (idea 2),
+  with accumulated micro-batches the all-reduces only after the last backward (idea 3, `no_sync`).
+"""
+from __future__ import annotations
+
+from .traces import DATA, FORWARD, NO_SYNC_ACCUM, SMALL_BUCKET_MB, STEP, DDPTrace
+
+COLORS = {"data": "tab:orange", "forward": "tab:blue", "backward": "tab:green", "optimizer": "tab:purple",
+          "waiting for gradients": "lightgray", "all-reduce": "tab:red"}
+TITLES = {"ddp": "DDP(2), the preset's {cap:g} MB cap: {n} bucket{s}",
+          "ddp_small_buckets": "DDP(2), {cap:g} MB cap: {n} bucket{s}",
+          "ddp_no_sync": f"DDP(2), {{cap:g}} MB cap, {NO_SYNC_ACCUM} micro-batches, no_sync on the first: {{n}} bucket{{s}}"}
+
+
+def _main_lanes(row: dict, events: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """(start, duration) µs of each kind of work on the rank's main thread in one profiled step."""
+    lo, hi = row["step span"]
+    main = next(e["tid"] for e in events if e.get("name") == STEP)
+    lanes = {"data": [], "forward": [], "optimizer": []}
+    for e in events:
+        if e.get("ph") == "X" and e["tid"] == main and lo <= e["ts"] < hi:
+            kind = {DATA: "data", FORWARD: "forward"}.get(e["name"]) or (
+                "optimizer" if e["name"].startswith("Optimizer.step") else None)
+            if kind:
+                lanes[kind].append((e["ts"], e["dur"]))
+    lanes["backward"] = [(a, b - a) for a, b in row["backward spans"]]
+    b_end, g_end = row["backward span"][1], max((b for _, b in row["grad spans"]), default=0.0)
+    lanes["waiting for gradients"] = [(b_end, g_end - b_end)] if g_end > b_end else []
+    return lanes
+
+
+def _cap(trace: DDPTrace, phase: str) -> float:
+    return trace.bucket_cap_mb if phase == "ddp" else SMALL_BUCKET_MB
+
+
+def plot_steps(trace: DDPTrace, phases: tuple[str, ...], title: str):
+    """One profiled step of each rank for each phase (module doc), on the ranks' shared clock."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(phases), 1, figsize=(10, 1.9 * len(phases) + 0.9), squeeze=False)
+    for ax, phase in zip(axes[:, 0], phases):
+        origin = min(rank[-1]["step span"][0] for rank in trace.steps[phase])
+        ms = lambda us: (us - origin) / 1000  # noqa: E731
+        for r, (rank_steps, events) in enumerate(zip(trace.steps[phase], trace.events[phase])):
+            row = rank_steps[-1]
+            y = 2 * (len(trace.steps[phase]) - 1 - r)
+            for kind, spans in _main_lanes(row, events).items():
+                ax.broken_barh([(ms(a), d / 1000) for a, d in spans], (y + 1, 0.8), color=COLORS[kind],
+                               label=kind if r == 0 else None)
+            ax.broken_barh([(ms(a), (b - a) / 1000) for a, b in row["grad spans"]], (y, 0.8), color=COLORS["all-reduce"],
+                           label="gradient all-reduce (gloo thread)" if r == 0 else None)
+            lo, hi = row["step span"]
+            casts = [(ms(e["ts"]), e["dur"] / 1000) for e in events if e.get("ph") == "X"
+                     and e.get("name", "").endswith(":broadcast") and lo <= e["ts"] < hi]
+            ax.broken_barh(casts, (y, 0.8), color="black", label="buffer broadcast (gloo thread)" if r == 0 else None)
+            ax.text(-5, y + 0.9, f"rank {r}", ha="right", va="center", fontsize=8)
+        n = len(trace.bucket_mb(phase))
+        ax.set(title=TITLES[phase].format(cap=_cap(trace, phase), n=n, s="s" * (n != 1)),
+               xlabel="milliseconds from the first rank's step start", yticks=[])
+        ax.grid(alpha=0.3, axis="x")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, ncol=4, loc="lower center")
+    fig.suptitle(f"{title}\none train_step per rank (torch.profiler), batch {trace.batch_size} per process; "
+                 f"{trace.hardware}", fontsize=9)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+def plot_buckets(trace: DDPTrace, phase: str = "ddp_small_buckets"):
+    """Rank 0's backward in one profiled step, with each bucket's launch and measured size."""
+    import matplotlib.pyplot as plt
+    row = trace.steps[phase][0][-1]
+    origin = row["backward span"][0]
+    ms = lambda us: (us - origin) / 1000  # noqa: E731
+    fig, ax = plt.subplots(figsize=(10, 2.6))
+    ax.broken_barh([(ms(a), (b - a) / 1000) for a, b in row["backward spans"]], (1, 0.8), color=COLORS["backward"],
+                   label="backward (main thread)")
+    ax.broken_barh([(ms(a), (b - a) / 1000) for a, b in row["grad spans"]], (0, 0.8), color=COLORS["all-reduce"],
+                   label="bucket all-reduce (gloo thread)")
+    for k, (launch, mb) in enumerate(zip(row["bucket launches"], row["bucket MiB"]), 1):
+        ax.axvline(ms(launch), color="black", lw=1, ls="--")
+        ax.text(ms(launch), 2.0, f" bucket {k} ready: {mb:.1f} MiB", fontsize=8, va="bottom")
+    ax.set(ylim=(-0.2, 2.8), yticks=[0.4, 1.4], yticklabels=["gloo", "main"],
+           xlabel="milliseconds from the start of backward",
+           title=f"Gradient buckets ({_cap(trace, phase):g} MB cap): each all-reduce starts when its bucket is full, "
+                 f"rank 0\n{trace.hardware}")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
