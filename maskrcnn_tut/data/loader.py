@@ -280,23 +280,16 @@ def iterate(loader: DataLoader) -> Iterator:
 
 
 def _end_workers(loader: DataLoader, batches) -> None:
-    """End a failed iterator's workers now. The error's traceback holds the iterator in a reference
-    cycle (and the loader keeps persistent workers' iterator), so they would live on until a garbage
-    collection: in a notebook, beside the next processes it starts. torch's own shutdown, as
-    PyTorch Lightning calls it; absent with `workers=0`."""
-    shutdown = getattr(batches, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
+    """End a failed iterator's workers now, not at a garbage collection (the error's traceback holds the
+    iterator in a cycle, the loader holds persistent ones): torch's own shutdown, as Lightning calls it."""
+    getattr(batches, "_shutdown_workers", lambda: None)()  # absent with workers=0
     if getattr(loader, "_iterator", None) is batches:
         loader._iterator = None
 
 
 def batch_stream(loader: DataLoader, state) -> Iterator:
-    """Batches forever, epoch after epoch, starting at `state`'s position; keeps `state` current.
-
-    `state` has `epoch` and `batch_in_epoch` (a `TrainState`). Batches come through `iterate`
-    (decode failures in workers counted in the main process).
-    """
+    """Batches through `iterate`, epoch after epoch, from the position of `state` (a `TrainState`:
+    `epoch`, `batch_in_epoch`), which it keeps current."""
     while True:
         loader.batch_sampler.set_epoch(state.epoch, skip=state.batch_in_epoch)
         for batch in iterate(loader):
