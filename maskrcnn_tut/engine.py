@@ -6,9 +6,7 @@ gradients only on the last, the others run in `no_sync`), then clips and steps t
 After the backward passes every rank shares a small tensor of its loss terms, its forward time,
 its data time and a non-finite flag in one all-reduce, so logging, straggler detection and the
 decision to stop on a NaN are the same on every rank and nobody is left waiting in a collective.
-
-The step, the optimizer, autocast and the GradScaler take a `config.Run` (`config.derive`'s
-result): the scaled lr, the precision and pin_memory are facts of the run, not settings.
+The step, optimizer, autocast and GradScaler take a `config.Run` (`config.derive`'s result).
 """
 from __future__ import annotations
 
@@ -219,6 +217,12 @@ class StepRecord:
     stop_requested: bool = False  # some rank was asked to stop (preemption): every rank knows after this step
 
 
+def zero_grads(model, optimizer) -> None:
+    """DDP's `gradient_as_bucket_view` gradients alias its buckets only while they are kept: set to None,
+    each backward allocates them anew and the reducer copies them in, the copy the option saves."""
+    optimizer.zero_grad(set_to_none=not getattr(model, "gradient_as_bucket_view", False))
+
+
 def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, device, state: TrainState,
                term_names: list[str], stop_requested: bool = False) -> StepRecord:
     """One optimizer step: `accum_steps` forward/backward micro-steps, then clip and step.
@@ -233,7 +237,7 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, device, st
     data_time = 0.0
     forward_spans = []
     totals: dict[str, torch.Tensor] = {}
-    optimizer.zero_grad(set_to_none=True)
+    zero_grads(model, optimizer)
     for micro in range(accum):
         t_data = time.perf_counter()
         images, targets = next(batches)
@@ -265,7 +269,7 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, device, st
                 f"had {', '.join(f'{k}={v:.4g}' for k, v in mine.items())}. Lower --lr, add "
                 f"--clip-grad-norm, check the data, or allow skips with --skip-nonfinite N")
         state.nonfinite_skipped += 1
-        optimizer.zero_grad(set_to_none=True)
+        zero_grads(model, optimizer)
         if info.is_main:
             log.warning("non-finite loss at step %d on rank(s) %s: step skipped (%d of --skip-nonfinite %d)",
                         state.step + 1, bad_ranks, state.nonfinite_skipped, cfg.skip_nonfinite)

@@ -43,10 +43,9 @@ def train_transforms() -> v2.Transform:
 
 
 def collate(batch):
-    """Detection batches are lists: images differ in size and targets in instance count. In a worker
-    the tensors move to shared memory here, so that a full /dev/shm raises in the worker and reaches
-    the rank (`iterate`): in the queue's feeder thread it only prints and drops the batch, and the
-    rank waits for it forever."""
+    """Detection batches are lists: images differ in size and targets in instance count. A worker moves
+    them to shared memory here, so a full /dev/shm raises and reaches the rank (`iterate`): in the
+    queue's feeder thread it would only print and drop the batch, leaving the rank waiting forever."""
     columns = tuple(zip(*batch))
     if get_worker_info() is not None:
         for item in (item for column in columns for item in column):
@@ -124,10 +123,9 @@ _JOB_SIGNALS = {*STOP_SIGNALS, signal.SIGINT}
 
 @atexit.register
 def _end_workers_at_exit() -> None:
-    """At exit multiprocessing ends daemonic children (the loader workers) with SIGTERM, then waits for
-    them; workers block SIGTERM (`iterate`), so a process leaving a loader alive would wait forever:
-    end them with SIGKILL first (atexit runs this before multiprocessing's hook, registered earlier),
-    once torch's SIGCHLD handler, which would report each as a failed worker, is set aside."""
+    """At exit multiprocessing SIGTERMs daemonic children (loader workers) and waits; workers block
+    SIGTERM (`iterate`), so SIGKILL them first (this atexit hook runs before multiprocessing's), with
+    torch's SIGCHLD handler, which would report each as a failed worker, set aside."""
     workers = [child for child in multiprocessing.active_children() if child.daemon]
     if workers:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

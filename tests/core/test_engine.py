@@ -14,6 +14,7 @@ from maskrcnn_tut.engine import (
     lr_schedule,
     make_scaler,
     train_step,
+    zero_grads,
 )
 from maskrcnn_tut.errors import NonFiniteLossError
 from maskrcnn_tut.lab import processes, proofs
@@ -105,3 +106,29 @@ def test_the_step_records_this_rank_forward_time_apart_from_the_rest():
                         cfg, torch.device("cpu"), TrainState(), [])
     assert 0.2 <= record.rank_forward_times[0] < 0.3
     assert record.data_time >= 0.3 and record.iter_time >= 0.5
+
+
+def test_ddp_gradients_stay_in_its_buckets_between_steps(tmp_path):
+    """S3: with `gradient_as_bucket_view` the gradients are zeroed where they are, in DDP's buckets, so
+    backward accumulates into them; set to None, every backward allocated them anew and the reducer
+    copied them into the buckets."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2), gradient_as_bucket_view=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):  # DDP rebuilds its buckets after the first backward
+            zero_grads(model, optimizer)
+            model(torch.ones(3, 4)).sum().backward()
+            optimizer.step()
+        in_buckets = [p.grad.data_ptr() for p in model.parameters()]
+        zero_grads(model, optimizer)
+        assert [p.grad.data_ptr() for p in model.parameters() if p.grad is not None] == in_buckets
+        assert all(not p.grad.any() for p in model.parameters())
+        model(torch.ones(3, 4)).sum().backward()
+        assert [p.grad.data_ptr() for p in model.parameters()] == in_buckets
+    finally:
+        torch.distributed.destroy_process_group()
+    plain = torch.nn.Linear(4, 2)
+    plain(torch.ones(1, 4)).sum().backward()
+    zero_grads(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    assert all(p.grad is None for p in plain.parameters())  # without DDP: freed, as before
