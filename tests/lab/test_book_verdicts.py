@@ -2,6 +2,8 @@
 figures and simulated 1- and 8-GPU hosts: each branch a chapter can print."""
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ from maskrcnn_tut.config import make_config
 from maskrcnn_tut.lab import article, book, hardware_prose, machine, speed_findings, timeline
 from maskrcnn_tut.lab.bench import BenchResult
 from maskrcnn_tut.lab.wording import FASTER, SLOWER, WITHIN_NOISE
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _loader_row(workers: int, img_s: float, data_ms: float, compute_ms: float) -> dict:
@@ -153,6 +157,11 @@ def test_gpu_r50_is_not_called_the_reference_recipe_where_it_differs():
                     "AMP"):
         assert not rows[differs]["same"], rows[differs]
     assert rows["lr for 16 images"]["gpu-r50"] == pytest.approx(0.02)  # linear scaling for SGD
+    chapters = {path.name: " ".join("".join(cell["source"]) for cell in json.loads(path.read_text())["cells"])
+                for path in (REPO / "book").glob("*.ipynb")}
+    equated = {name for name, text in chapters.items()
+               if re.search(r"(:|\bis)\s+torchvision's\s+reference\s+recipe", text)}
+    assert equated == set()  # "after" it, "beside" it: chapter 2 lists where they differ
 
 
 def test_the_fast_path_verdict_is_plain_words():
