@@ -163,7 +163,7 @@ class Config:
                                     choices=("none", "fp16", "bf16"))
     # speed flags and reproducibility
     cudnn_benchmark: bool = setting(False, "let cuDNN time convolution algorithms (good for fixed sizes)")
-    deterministic: bool = setting(False, "deterministic algorithms and cuDNN (slower; for exact reproducibility)")
+    deterministic: bool = setting(False, "deterministic algorithms and cuDNN (slower; exact on CPUs, best effort on GPUs)")
     channels_last: bool = setting(False, "NHWC memory format for the backbone and its input batch (faster "
                                          "tensor cores on GPUs)")
     fixed_shapes: bool = setting(False, "pad every batch to one of three shapes (landscape, portrait, mixed) "

@@ -195,9 +195,9 @@ class CocoDetection(torch.utils.data.Dataset):
     def aspect_ratios(self) -> list[float]:
         return (self.widths / self.heights).tolist()
 
-    def load(self, index: int):
+    def load(self, index: int, with_masks: bool = True):
         """Decode image `index` (or, with `decode_device` set, read a JPEG's bytes) and build its
-        target (no transforms)."""
+        target (no transforms); evaluation, which scores against the json, needs no masks (`with_masks`)."""
         image_id, file_name, width, height, instances, _, _ = self.records[index]
         image = read_encoded(self.image_dir / file_name, width, height) if self.decode_device else None
         if image is None:
@@ -205,19 +205,17 @@ class CocoDetection(torch.utils.data.Dataset):
             if pil_image.size != (width, height):
                 raise OSError(f"{file_name}: size changed since the start-up scan")
             image = tv_tensors.Image(F.pil_to_tensor(pil_image))
-        if instances:
-            rles = [{"size": [height, width], "counts": inst[5]} for inst in instances]
-            masks = torch.from_numpy(mask_utils.decode(rles)).permute(2, 0, 1).contiguous()
-            boxes = torch.tensor([inst[:4] for inst in instances], dtype=torch.float32)
-        else:
-            masks = torch.zeros((0, height, width), dtype=torch.uint8)
-            boxes = torch.zeros((0, 4), dtype=torch.float32)
+        boxes = torch.tensor([inst[:4] for inst in instances], dtype=torch.float32).reshape(-1, 4)
         target = {
             "boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=(height, width)),
-            "masks": tv_tensors.Mask(masks),
             "labels": torch.tensor([inst[4] for inst in instances], dtype=torch.int64),
             "image_id": image_id,
         }
+        if with_masks:
+            rles = [{"size": [height, width], "counts": inst[5]} for inst in instances]
+            masks = (torch.from_numpy(mask_utils.decode(rles)).permute(2, 0, 1).contiguous() if instances
+                     else torch.zeros((0, height, width), dtype=torch.uint8))
+            target["masks"] = tv_tensors.Mask(masks)
         return image, target
 
     def record_load_failures(self, failures: list[tuple], consequence: str = "using the next image instead") -> None:
@@ -248,7 +246,7 @@ class CocoDetection(torch.utils.data.Dataset):
         image_id, file_name = self.records[index][:2]
         return image_id, f"{self.image_dir / file_name}: failed to decode ({err})"
 
-    def sample(self, index: int, seed: int | None = None, substitute: bool = True):
+    def sample(self, index: int, seed: int | None = None, substitute: bool = True, with_masks: bool = True):
         """Item `index`, transformed from `seed`. An image that fails to decode is replaced by the
         next one that decodes (`substitute`, for training), or (for evaluation, where every image
         is scored once) returned as a 1-pixel placeholder whose target carries the failure."""
@@ -256,7 +254,7 @@ class CocoDetection(torch.utils.data.Dataset):
         for attempt in range(min(len(self), MAX_FAILURES_IN_A_ROW) if substitute else 1):
             candidate = (index + attempt) % len(self)
             try:
-                image, target = self.load(candidate)
+                image, target = self.load(candidate, with_masks)
                 break
             except DataError:
                 raise

@@ -176,17 +176,18 @@ class EvalShard(Subset):
         super().__init__(dataset, range(rank, len(dataset), world_size))
 
     def __getitem__(self, index):
-        return self.dataset.sample(self.indices[index], substitute=False)
+        return self.dataset.sample(self.indices[index], substitute=False, with_masks=False)
 
     def __getitems__(self, indices: list[int]) -> list:
         return [self[i] for i in indices]
 
 
 def build_eval_loader(dataset: CocoDetection, cfg, rank: int, world_size: int) -> DataLoader:
-    """Each rank evaluates every world_size-th image: no padding, so no duplicated predictions."""
+    """Each rank evaluates every world_size-th image: no padding, so no duplicated predictions; as many
+    workers as training, started for each evaluation (the GPUs wait for decoding otherwise)."""
     shard = EvalShard(dataset, rank, world_size)
     return DataLoader(shard, batch_size=cfg.batch_size, sampler=SequentialSampler(shard),
-                      **loader_kwargs(min(cfg.workers, 1), require_run(cfg, "build_eval_loader").pin_memory, False,
+                      **loader_kwargs(cfg.workers, require_run(cfg, "build_eval_loader").pin_memory, False,
                                       cfg.prefetch_factor))
 
 

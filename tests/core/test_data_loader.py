@@ -7,7 +7,7 @@ from pycocotools import mask as mask_utils
 
 from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.data.coco import CocoDetection, coco_paths
-from maskrcnn_tut.data.loader import build_train_loader, train_transforms
+from maskrcnn_tut.data.loader import build_eval_loader, build_train_loader, train_transforms
 from maskrcnn_tut.data.shapes import write_split
 from maskrcnn_tut.errors import DataError
 
@@ -151,3 +151,18 @@ def test_the_records_cache_follows_a_changed_json(shapes_root, tmp_path, monkeyp
     second = CocoDetection(image_dir, copy, cache_dir=tmp_path / "cache")
     assert second.num_instances == first.num_instances - 1
     assert len(list((tmp_path / "cache").glob("*.records"))) == 1  # the stale cache was removed
+
+
+def test_evaluation_loads_with_every_worker_and_decodes_no_masks(shapes_root):
+    """S2: the evaluation loader had one worker whatever --workers said, and decoded every ground-truth
+    mask although evaluation scores against the json; its boxes, labels and images are training's."""
+    dataset = CocoDetection(*coco_paths(shapes_root, "val"), train=False)
+    cfg = derive(make_config("cpu-tiny", workers=2, batch_size=2), 1, "cpu")
+    loader = build_eval_loader(dataset, cfg, 0, 1)
+    assert loader.num_workers == 2 and not loader.persistent_workers
+    images, targets = next(iter(loader))
+    assert all("masks" not in target for target in targets)
+    for image, target, k in zip(images, targets, range(2)):
+        full_image, full = dataset.load(k)
+        assert torch.equal(image, full_image) and full["masks"].shape[0] == len(full["boxes"]) > 0
+        assert torch.equal(target["boxes"], full["boxes"]) and torch.equal(target["labels"], full["labels"])
