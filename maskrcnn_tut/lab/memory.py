@@ -35,6 +35,7 @@ from ..hardware import current_memory_mb, peak_memory_mb, reset_peak_memory
 from ..model import build_model
 from .bench.harness import environment
 from .bench.results import BenchResult, python_call, register_plot
+from .gpus import releases_gpu_cache
 from .machine import provenance
 from .rig import Rig, build_rig, synthetic_batches
 from .synthetic import synthetic_batch
@@ -108,6 +109,7 @@ def _activations(model, images, targets, cfg: Config, device: torch.device) -> t
     return sum(saved.values()) / MIB, len(saved)
 
 
+@releases_gpu_cache
 def breakdown(cfg: Config, image_size: int, batch_size: int,
               device: torch.device | str | None = None) -> MemoryBreakdown:
     """Parameters, gradients, optimizer state and activations of one training step (see module doc)."""
@@ -300,6 +302,7 @@ LIGHT_SAMPLING = dict(rpn_pre_nms_top_n=200, rpn_post_nms_top_n=100, rpn_batch_s
                       box_batch_size_per_image=64)
 
 
+@releases_gpu_cache
 def bytes_per_parameter(preset: str = "gpu-r50", image_size: int = 96,
                         device: torch.device | str | None = None) -> BenchResult:
     """Each of `RECIPES` derived (`derived_bytes` x the model's real parameter count) beside what
@@ -346,6 +349,7 @@ def bytes_per_parameter(preset: str = "gpu-r50", image_size: int = 96,
     return result
 
 
+@releases_gpu_cache
 def autocast_activations(preset: str = "gpu-r50", image_sizes: tuple[int, ...] = (192, 320),
                          extrapolate_to: tuple[int, ...] = (), device: torch.device | str | None = None) -> list[dict]:
     """Activations (the tensors autograd saves, `breakdown`'s count) of one forward pass at each

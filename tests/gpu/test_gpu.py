@@ -1,6 +1,7 @@
-"""What only a GPU can show: fp16 with GradScaler, bf16, nccl, DDP in one process, cuDNN flags,
-pinned copies and per-GPU RNG in checkpoints; and, through the package's own entry points, the
-GPU findings of the static review: `wrap_ddp` under the launcher with accumulation (C1), a
+"""What only a GPU can show: fp16 with GradScaler (and its skip of an overflowing step), bf16, nccl,
+DDP in one process, cuDNN flags, pinned copies and per-GPU RNG in checkpoints; and, through the
+package's own entry points, the GPU findings of the static review:
+`wrap_ddp` under the launcher with accumulation (C1), a
 compiled run that evaluates and whose checkpoint `--test-only` loads (C2, C6), decode-on-device
 then a step (W1, W4) and the exact accumulation proof (C7). Skipped without CUDA; `pytest -m gpu`
 runs them on the GPU machine (tools/gpu_check.sh)."""
@@ -48,6 +49,25 @@ def test_fp16_autocast_trains_with_an_active_grad_scaler():
     cfg, scaler, records = _steps({"amp": True, "amp_dtype": "float16"})
     assert cfg.precision == "float16" and scaler.is_enabled() and scaler.get_scale() > 0
     assert all(torch.isfinite(torch.tensor(r.loss)) for r in records)
+
+
+def test_fp16_grad_scaler_skips_an_overflowing_step_and_backs_off():
+    """A scale of 2**60 overflows fp16 gradients: GradScaler skips that step (the weights stay, the
+    scale halves, the engine counts it) and the next step trains."""
+    cfg = derive(make_config("cpu-tiny", min_size=128, max_size=192, amp=True, amp_dtype="float16"), 1, DEVICE)
+    torch.manual_seed(0)
+    model = build_model(cfg, 4).to(DEVICE)
+    optimizer, scaler, state, names = build_optimizer(model, cfg), make_scaler(cfg, DEVICE), TrainState(), []
+    batches = iter([synthetic_batch(128, 2, seed=i) for i in range(3)])
+    train_step(model, optimizer, scaler, batches, cfg, DEVICE, state, names)
+    scaler.update(new_scale=2.0 ** 60)
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    train_step(model, optimizer, scaler, batches, cfg, DEVICE, state, names)
+    after = [p.detach() for p in model.parameters() if p.requires_grad]
+    assert state.scaler_skipped == 1 and scaler.get_scale() == 2.0 ** 59
+    assert all(torch.equal(b, a) for b, a in zip(before, after))
+    record = train_step(model, optimizer, scaler, batches, cfg, DEVICE, state, names)
+    assert torch.isfinite(torch.tensor(record.loss))
 
 
 def test_bf16_autocast_needs_no_scaler():

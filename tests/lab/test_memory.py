@@ -42,3 +42,21 @@ def test_memory_table_counts_small_sizes_and_extrapolates_larger_ones():
     plt.close(result.plot())
     with pytest.raises(ValueError, match="at least two measure_sizes"):
         memory_table("cpu-tiny", measure_sizes=(96,))
+
+
+def test_measurements_on_the_notebooks_gpu_give_its_cache_back(monkeypatch):
+    """S4: a chapter's in-kernel GPU measurement left gigabytes in the kernel's caching allocator, out
+    of reach of the processes the chapter starts next; here CUDA is faked as initialized."""
+    import torch
+
+    from maskrcnn_tut.errors import ConfigError
+    from maskrcnn_tut.lab import memory
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    memory.autocast_activations("cpu-tiny", image_sizes=(64, 96), device="cpu")
+    assert emptied == [True]
+    with pytest.raises(ConfigError, match="unknown preset"):
+        memory.bytes_per_parameter("no-such-preset")
+    assert emptied == [True, True]  # also when the measurement fails
