@@ -3,10 +3,11 @@
 #
 #     bash tools/torch_range_check.sh PYTHON_VERSION TORCH TORCHVISION      e.g.  3.12 2.11.0 0.26.0
 #
-# In a fresh venv of that Python (pythonX.Y on PATH, else pyenv's) it installs that torch and torchvision first, then the project as a hub user
-# would (`pip install -e .[book,test]`), which must keep them (pyproject's range); then it runs the unit
-# tier, a 2-process gloo train.py run and the DDP-knobs test there. CI runs it on the oldest supported torch
-# and on the GPU machine's. Prints the time of each part.
+# In a fresh venv of that Python (pythonX.Y on PATH, else pyenv's) it installs that torch and torchvision first,
+# then the training core alone (`pip install -e .`: pyproject's [project] dependencies, no extras), which must
+# keep them (pyproject's range), must not bring the book's libraries and must train: a 2-process gloo train.py
+# run. Then the extras a hub user adds (`pip install -e .[book,test]`), the unit tier and the DDP-knobs test.
+# CI runs it on the oldest supported torch and on the GPU machine's. Prints the time of each part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 torch_version=$2 vision_version=$3
@@ -33,23 +34,33 @@ install_stack() {
 }
 install_stack 2>/dev/null || { quiet "$work/venv/bin/pip" download -q --only-binary=:all: -d "$cache/wheels" "${stack[@]}" && install_stack; }
 echo "torch stack: $((SECONDS - started)) s"
-# then the project as a hub user installs it: pip must keep that torch
-quiet "$work/venv/bin/pip" install --quiet --disable-pip-version-check -e ".[book,test]"
-"$work/venv/bin/python" - "$torch_version" "$vision_version" <<'PY'
+kept_torch() {  # pip must keep that torch whatever the project asks for
+    "$work/venv/bin/python" - "$torch_version" "$vision_version" <<'PY'
 import sys, torch, torchvision
 kept = (torch.__version__.split("+")[0], torchvision.__version__.split("+")[0])
 assert kept == tuple(sys.argv[1:]), f"installing the project replaced torch {sys.argv[1:]} with {kept}"
 print(f"torch {torch.__version__}, torchvision {torchvision.__version__} on Python {sys.version.split()[0]}")
 PY
-echo "install: $((SECONDS - started)) s, $(du -sh "$work/venv" | cut -f1) on disk"
+}
+install() { quiet "$work/venv/bin/pip" install --quiet --disable-pip-version-check -e "$1"; }
+install . && kept_torch
+"$work/venv/bin/python" - <<'PY'
+import importlib.util
+present = [name for name in ("matplotlib", "ipywidgets", "IPython", "pynvml") if importlib.util.find_spec(name)]
+assert not present, f"the core-only install brought in {present}"
+PY
+echo "core-only install: $((SECONDS - started)) s, $(du -sh "$work/venv" | cut -f1) on disk"
 export PATH="$work/venv/bin:$PATH"
-started=$SECONDS
-python -m pytest -q
-echo "unit tier: $((SECONDS - started)) s"
 started=$SECONDS
 OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 maskrcnn_tut/train.py --max-steps 5 --output-dir "$work/run" --no-progress
 test -s "$work/run/summary.json"
-echo "2-process gloo run: $((SECONDS - started)) s"
+echo "2-process gloo run, the core alone: $((SECONDS - started)) s"
+started=$SECONDS
+install ".[book,test]" && kept_torch
+echo "extras install: $((SECONDS - started)) s"
+started=$SECONDS
+python -m pytest -q
+echo "unit tier: $((SECONDS - started)) s"
 started=$SECONDS
 python -m pytest -q tests/system/test_ddp_knobs.py
 echo "DDP knobs: $((SECONDS - started)) s"
