@@ -25,11 +25,11 @@ from typing import Callable, Sequence
 import torch
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
-from pycocotools.cocoeval import COCOeval
 
 from .. import distributed as du
 from .. import predict
 from ..data.loader import build_dataset
+from ..evaluate import coco_metrics
 from ..model import build_model
 from ..monitor import read_jsonl
 
@@ -94,19 +94,10 @@ def overfit_check(loss_values: Sequence[float], ratio: float = OVERFIT_LOSS_RATI
 def coco_scores(gt_json: Path | str, results_json: Path | str, image_ids: Sequence[int] | None = None) -> dict:
     """AP and AP50 (0-1) for boxes and masks of a results JSON against a COCO annotation json, with
     pycocotools as any COCO tool runs it; `image_ids` restricts the evaluation to those images."""
-    scores = {}
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints as it goes
         gt = COCO(str(gt_json))
-        detections = gt.loadRes(str(results_json))
-        for iou_type in ("bbox", "segm"):
-            evaluator = COCOeval(gt, detections, iou_type)
-            if image_ids is not None:
-                evaluator.params.imgIds = sorted(image_ids)
-            evaluator.evaluate()
-            evaluator.accumulate()
-            evaluator.summarize()
-            scores[f"{iou_type} AP"], scores[f"{iou_type} AP50"] = (max(float(v), 0.0) for v in evaluator.stats[:2])
-    return scores
+    metrics = coco_metrics(gt, json.loads(Path(results_json).read_text()), image_ids)
+    return {f"{kind} {name}": metrics[f"{kind}_{name}"] for kind in ("bbox", "segm") for name in ("AP", "AP50")}
 
 
 def explain_result(result: dict, gt_json: Path | str) -> list[dict]:
