@@ -42,8 +42,8 @@ assert kept == tuple(sys.argv[1:]), f"installing the project replaced torch {sys
 print(f"torch {torch.__version__}, torchvision {torchvision.__version__} on Python {sys.version.split()[0]}")
 PY
 }
-install() { quiet "$work/venv/bin/pip" install --quiet --disable-pip-version-check -e "$1"; }
-install . && kept_torch
+pip_install() { quiet "$work/venv/bin/pip" install --quiet --disable-pip-version-check -e "$1"; }
+pip_install . && kept_torch
 "$work/venv/bin/python" - <<'PY'
 import importlib.util
 present = [name for name in ("matplotlib", "ipywidgets", "IPython", "pynvml") if importlib.util.find_spec(name)]
@@ -56,7 +56,7 @@ OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 maskrcnn_tut/train.py --max-steps 
 test -s "$work/run/summary.json"
 echo "2-process gloo run, the core alone: $((SECONDS - started)) s"
 started=$SECONDS
-install ".[book,test]" && kept_torch
+pip_install ".[book,test]" && kept_torch
 echo "extras install: $((SECONDS - started)) s"
 started=$SECONDS
 python -m pytest -q
