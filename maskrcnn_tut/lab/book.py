@@ -5,6 +5,7 @@ The measurements belong to the module each chapter names (`bench`, `memory`, `en
 `monitor`, `hardware`, ...); this module only shows them, so a chapter's cells stay a few lines of
 reader-facing calls.
 
+- `set_language(lang)`: the edition a chapter's cells write in ("en" or "ja"; its first code cell).
 - `hardware_summary()`: the "your hardware" cell every chapter opens with.
 - `version_pins()`: requirements.txt's pins beside the installed versions (chapter 2).
 - `book_config(**overrides)`, `shapes_data()`: this hardware's preset on the book's shapes dataset.
@@ -31,9 +32,11 @@ import torch
 
 from .. import distributed as du
 from ..config import Config, default_preset, make_config
+from . import wording
 from .bench import markdown_table
 from .machine import hardware, hardware_label
 from .rig import shapes_config, shapes_dataset
+from .wording import term
 
 #: Images in COCO train2017, the dataset behind the usual Mask R-CNN schedules.
 COCO_TRAIN_IMAGES = 118_287
@@ -59,6 +62,17 @@ PUBLISHED_FAST_PATH = [
      "hardware": "272 GPUs", "source": "PyTorch blog, \"Accelerating PyTorch with CUDA Graphs\"",
      "conditions": "about one image per GPU; an 8-GPU run with more images per GPU gains less"},
 ]
+
+
+# --------------------------------------------------------------------------- language
+
+
+def set_language(lang: str) -> None:
+    """Word everything later cells write in `lang` (the only line in which the two editions' code
+    cells differ); Japanese plots get a CJK font (IPAexGothic, from matplotlib-fontja)."""
+    wording.set_language(lang)
+    if lang == "ja":
+        import matplotlib_fontja  # noqa: F401  (registers the font and makes it matplotlib's default)
 
 
 # --------------------------------------------------------------------------- hardware
@@ -117,9 +131,11 @@ def book_config(preset: str | None = None, **overrides) -> Config:
 
 
 def show_table(rows: Sequence[dict], columns: Sequence[str] | None = None, floatfmt: str = ".3g") -> None:
-    """Display rows as a table in the notebook and the rendered page."""
+    """Display rows as a table in the notebook and the rendered page, headers in the book's language."""
     from IPython.display import Markdown, display
-    display(Markdown(markdown_table(rows, columns, floatfmt)))
+    columns = list(columns or (rows[0] if rows else ()))
+    shown = [{term(column): row.get(column) for column in columns} for row in rows]
+    display(Markdown(markdown_table(shown, [term(column) for column in columns], floatfmt)))
 
 
 def glue(name: str, value: Any, fmt: str = "") -> None:

@@ -13,12 +13,25 @@ adds a table there and keeps every verdict.
 - `compare_figures(a, b, noise)`: two figures without spreads, within noise below a relative threshold.
 - `words(verdict, than)`, `times(ratio)`, `pick(verdict, ...)`: the phrase, "1.23 times", and one
   template per verdict for sentences a chapter words its own way.
+
+The book has two editions, English and Japanese, whose code cells are the same but for one
+`set_language` call. Every sentence a cell writes comes from `say(key, **values)`, which reads the
+entry in the catalog `prose/<name>.json` (key `"<name>.<entry>"`) in the book's language; table
+headers, plot labels and short values go through `term`, which looks them up in `prose/terms.json`.
 """
 from __future__ import annotations
 
+import functools
+import json
+import string
 from dataclasses import dataclass
+from pathlib import Path
 
 from .bench import above, versus
+
+LANGUAGES = ("en", "ja")
+PROSE_DIR = Path(__file__).with_name("prose")
+_current = {"lang": "en"}
 
 FASTER, SLOWER, WITHIN_NOISE, NO_SPREAD = "faster", "slower", "within noise", "no spread"
 VERDICTS = (FASTER, SLOWER, WITHIN_NOISE, NO_SPREAD)
@@ -37,7 +50,52 @@ MESSAGES = {
         "noise": "the ranges overlap",
         "times": "{ratio:.2f} times",
     },
+    "ja": {
+        FASTER: "{than}速い",
+        SLOWER: "{than}遅い",
+        WITHIN_NOISE: "{of}ばらつきの範囲内",
+        NO_SPREAD: "ばらつきの記録なし",
+        "than": "{name}より",
+        "of": "{name}と",
+        "noise": "範囲が重なっています",
+        "times": "{ratio:.2f}倍",
+    },
 }
+
+
+def set_language(lang: str) -> None:
+    """The language every later `say`, `term` and verdict is worded in ("en" or "ja")."""
+    if lang not in LANGUAGES:
+        raise ValueError(f"unknown language {lang!r}: the book has {', '.join(LANGUAGES)}")
+    _current["lang"] = lang
+
+
+def language() -> str:
+    return _current["lang"]
+
+
+@functools.cache
+def catalog(name: str) -> dict:
+    """The entries of `prose/<name>.json`, each {"en": template, "ja": template} (terms.json: English to Japanese)."""
+    return json.loads((PROSE_DIR / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def say(key: str, **values) -> str:
+    """The text of `key` ("ch04.scatter": entry "scatter" of prose/ch04.json) in the book's language,
+    its `{placeholders}` filled from `values` with `str.format`."""
+    name, _, entry = key.partition(".")
+    return catalog(name)[entry][language()].format(**values)
+
+
+def term(text: str) -> str:
+    """A table header, plot label or short value in the book's language; one without a Japanese
+    entry (a flag, a preset's name) stays as it is."""
+    return text if language() == "en" else catalog("terms").get(text, text)
+
+
+def placeholders(template: str) -> set[str]:
+    """The names a template fills, e.g. {"devices"} for "{devices} devices" (the tests compare languages by them)."""
+    return {field.split(".")[0].split("[")[0] for _, field, _, _ in string.Formatter().parse(template) if field}
 
 
 @dataclass(frozen=True)
@@ -46,10 +104,10 @@ class Comparison:
     ratio: float
     verdict: str
 
-    def words(self, than: str = "", lang: str = "en", **own: str) -> str:
+    def words(self, than: str = "", lang: str | None = None, **own: str) -> str:
         return words(self.verdict, than, lang, **own)
 
-    def times(self, lang: str = "en") -> str:
+    def times(self, lang: str | None = None) -> str:
         return times(self.ratio, lang)
 
 
@@ -71,24 +129,24 @@ def compare_figures(a: float, b: float, noise: float) -> Comparison:
     return Comparison(ratio, verdict)
 
 
-def words(verdict: str, than: str = "", lang: str = "en", **own: str) -> str:
+def words(verdict: str, than: str = "", lang: str | None = None, **own: str) -> str:
     """The verdict as a phrase, e.g. "slower than fp32"; `own` words a
     verdict the chapter's way (keyed like `pick`'s templates, e.g. a verdict of its own)."""
     if verdict.replace(" ", "_") in own:
         return pick(verdict, **own)
-    table = MESSAGES[lang]
+    table = MESSAGES[lang or language()]
     named = {part: table[part].format(name=than) if than else "" for part in ("than", "of")}
     return table[verdict].format(**named)
 
 
-def noise(lang: str = "en") -> str:
+def noise(lang: str | None = None) -> str:
     """What "within noise" means, for sentences that say it in their own words."""
-    return MESSAGES[lang]["noise"]
+    return MESSAGES[lang or language()]["noise"]
 
 
-def times(ratio: float, lang: str = "en") -> str:
+def times(ratio: float, lang: str | None = None) -> str:
     """'1.23 times', the phrasing of a ratio of speeds."""
-    return MESSAGES[lang]["times"].format(ratio=ratio)
+    return MESSAGES[lang or language()]["times"].format(ratio=ratio)
 
 
 def pick(verdict: str, **templates: str) -> str:

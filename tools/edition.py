@@ -1,0 +1,81 @@
+"""Keep the Japanese edition's chapters in step with the English ones.
+
+    python tools/edition.py sync [book/04_dataparallel_vs_ddp.ipynb ...]
+
+For each English chapter `book/NN_name.ipynb`, `book/ja/NN_name.ipynb` gets the English code cells
+(outputs, tags and all) with the one line that differs, `book.set_language("ja")`, and keeps its own
+Japanese markdown cells. A chapter with no Japanese file yet is created with the English markdown,
+to be translated. Both editions' first markdown cell gets the link to the other edition under its
+title. The cells must line up (markdown where markdown, code where code); where an English edit
+added or removed a cell, sync stops and says which, so the translation is edited by hand first.
+tests/lab/test_editions.py checks what sync makes. Not part of the installed package (it needs nbformat).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+BOOK = Path(__file__).resolve().parents[1] / "book"
+JA = BOOK / "ja"
+LANGUAGE_LINE = 'book.set_language("{lang}")'
+LINKS = {"en": "*[日本語版](ja/{name})*", "ja": "*[English edition](../{name})*"}
+LINK_LINE = re.compile(r"^\*\[(日本語版|English edition)\]\([^)]*\)\*$", re.M)
+
+
+def japanese_code(source: str) -> str:
+    """An English code cell as the Japanese chapter has it."""
+    return source.replace(LANGUAGE_LINE.format(lang="en"), LANGUAGE_LINE.format(lang="ja"))
+
+
+def with_link(source: str, lang: str, name: str) -> str:
+    """The first markdown cell with the other edition's link as the line after its title."""
+    source = LINK_LINE.sub("", source).replace("\n\n\n", "\n\n")
+    title, _, rest = source.partition("\n")
+    return f"{title}\n\n{LINKS[lang].format(name=name)}\n" + ("\n" + rest.lstrip("\n") if rest.strip() else "")
+
+
+def sync(english: Path) -> Path:
+    en = nbformat.read(english, as_version=4)
+    target = JA / english.name
+    ja = nbformat.read(target, as_version=4) if target.exists() else None
+    if ja is not None:
+        kinds = ([c.cell_type for c in en.cells], [c.cell_type for c in ja.cells])
+        if kinds[0] != kinds[1]:
+            at = next((i for i, (a, b) in enumerate(zip(*kinds)) if a != b), min(map(len, kinds)))
+            raise SystemExit(f"{target}: its cells no longer line up with {english.name} from cell {at}; "
+                             "add or remove the Japanese cell there first")
+    if LANGUAGE_LINE.format(lang="en") not in "".join(c.source for c in en.cells if c.cell_type == "code"):
+        raise SystemExit(f"{english}: no code cell calls {LANGUAGE_LINE.format(lang='en')}")
+    cells = []
+    for i, cell in enumerate(en.cells):
+        new = nbformat.from_dict(dict(cell))
+        if cell.cell_type == "code":
+            new.source = japanese_code(cell.source)
+        elif ja is not None:
+            new.source = ja.cells[i].source
+        cells.append(new)
+    en.cells[0].source = with_link(en.cells[0].source, "en", english.name)
+    cells[0].source = with_link(cells[0].source, "ja", english.name)
+    nbformat.write(en, english)
+    out = nbformat.v4.new_notebook(cells=cells, metadata=dict(en.metadata))
+    JA.mkdir(exist_ok=True)
+    nbformat.write(out, target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=["sync"])
+    parser.add_argument("chapters", nargs="*", type=Path, help="English chapters (default: all)")
+    args = parser.parse_args(argv)
+    for english in args.chapters or sorted(BOOK.glob("[0-9][0-9]_*.ipynb")):
+        print(sync(english))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
