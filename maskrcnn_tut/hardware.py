@@ -3,11 +3,10 @@
 - `usable_cores()`: the cores this process may really use: its affinity mask, capped by a cgroup
   CPU quota (v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, v2 `cpu.max`), which `nproc` and
   `sched_getaffinity` do not see (a Kubernetes pod limited to 4 CPUs on a 64-core node).
-- `cpu_model()`, `ram_gb()`, `gpu_count()`, `cpu_has_bf16()`: what the machine has and can do.
+- `ram_gb()`, `gpu_count()`: what the machine has.
 - `nvidia_gpus()`, `gpus_torch_cannot_use()`: the NVIDIA GPUs the machine has, whether torch can
   use them or not (a torch built for a newer CUDA than the driver's sees none).
-- `reset_peak_memory`, `peak_memory_mb`, `current_memory_mb`, `device_memory_mb`: the CUDA
-  allocator on GPUs, the process's resident memory on CPUs.
+- `peak_memory_mb`: the CUDA allocator's peak on GPUs, the process's resident peak on CPUs.
 - `ddp_buffer_sync_keyword`, `ddp_syncs_buffers`, `set_recompile_limit`: the torch versions the
   package supports differ here, found by feature detection (not by version numbers) in this one place.
 """
@@ -16,7 +15,6 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import platform
 import re
 import resource
 from pathlib import Path
@@ -27,16 +25,6 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 # --------------------------------------------------------------------------- CPU
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _own_cgroups() -> dict[str, str]:
@@ -90,15 +78,6 @@ def usable_cores() -> int:
     if quota is not None:
         cores = min(cores, max(1, math.ceil(quota - 1e-9)))
     return cores
-
-
-def cpu_has_bf16() -> bool | None:
-    """Whether the CPU has bfloat16 instructions (AVX512-BF16 or AMX); None when unknown."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
 
 
 def ram_gb() -> float | None:
@@ -178,7 +157,7 @@ def gpus_torch_cannot_use() -> str | None:
 # --------------------------------------------------------------------------- memory
 
 
-def _proc_status_kib(field_name: str) -> float | None:
+def proc_status_kib(field_name: str) -> float | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(field_name + ":"):
@@ -188,50 +167,14 @@ def _proc_status_kib(field_name: str) -> float | None:
     return None
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak: the CUDA allocator's peak, or this process's resident high-water mark.
-
-    On CPU, freed heap memory is first handed back to the OS (glibc `malloc_trim`) and Linux's
-    VmHWM is reset through /proc/self/clear_refs; where either is missing the peak keeps counting
-    from the process start.
-    """
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
 def peak_memory_mb(device: torch.device) -> float:
     """GPU allocator peak on CUDA, else this process's peak resident set size (MiB)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    hwm = _proc_status_kib("VmHWM")
+    hwm = proc_status_kib("VmHWM")
     if hwm is not None:
         return hwm / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def current_memory_mb(device: torch.device) -> float:
-    """Memory in use now: CUDA tensors on the GPU, else this process's resident set size (MiB)."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**20
-    rss = _proc_status_kib("VmRSS")
-    if rss is None:
-        raise RuntimeError("current_memory_mb needs Linux's /proc/self/status on a CPU")
-    return rss / 1024
-
-
-def device_memory_mb(device: torch.device) -> float | None:
-    """Memory of the device: the GPU's total, or the machine's physical RAM (MiB)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory / 2**20
-    total = ram_gb()
-    return total * 1024 if total else None
 
 
 # --------------------------------------------------------------------------- torch versions

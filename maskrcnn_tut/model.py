@@ -148,12 +148,6 @@ def _begin_cuda_graph_step(module: nn.Module, args) -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
-def compilations() -> int:
-    """Graphs torch.compile has compiled in this process (each new shape of a part is one more)."""
-    from torch._dynamo.utils import counters
-    return int(counters["stats"]["unique_graphs"])
-
-
 def read_state_dict(path: str, flag: str) -> dict:
     """A local state dict (or a train.py checkpoint's "model"), loaded without running code."""
     try:

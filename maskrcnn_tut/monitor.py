@@ -10,8 +10,8 @@ across ranks, so none of them runs a collective):
 
 Images per second, from one clock (`StepRecord.iter_time`, host time around a step) but several
 figures, each under its own name and defined here once: `img_per_s_mean` (all steps, slow ones
-included: `metrics.jsonl`'s `img_per_s` over a print window), `img_per_s_median` and
-`img_per_s_quartiles` (a benchmark's figure and its spread) and `img_per_s_wall` (a whole loop's
+included: `metrics.jsonl`'s `img_per_s` over a print window), `img_per_s_median` (a benchmark's
+figure; the lab's `bench.cache` adds its spread) and `img_per_s_wall` (a whole loop's
 wall time, evaluations and checkpoint saves included: train.py's summary).
 
 `metrics_row(records, ...)` is the row of `metrics.jsonl` for some steps (the logger's window, or
@@ -51,15 +51,6 @@ def img_per_s_mean(images_per_step: float, step_times: Sequence[float]) -> float
 def img_per_s_median(images_per_step: float, step_times: Sequence[float]) -> float:
     """Images per step over the median step time: robust to the odd slow step (a new shape, an epoch start)."""
     return images_per_step / statistics.median(step_times)
-
-
-def img_per_s_quartiles(images_per_step: float, step_times: Sequence[float]) -> tuple[float, float]:
-    """(low, high): images per step over the 75th and over the 25th percentile step time, the
-    spread of the middle half of the steps around `img_per_s_median`."""
-    if len(step_times) < 2:
-        return (img_per_s_median(images_per_step, step_times),) * 2
-    q1, _, q3 = statistics.quantiles(step_times, n=4, method="inclusive")
-    return images_per_step / q3, images_per_step / q1
 
 
 def img_per_s_wall(images: float, wall_seconds: float) -> float:

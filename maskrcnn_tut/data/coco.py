@@ -213,9 +213,11 @@ class CocoDetection(torch.utils.data.Dataset):
         }
         if with_masks:
             rles = [{"size": [height, width], "counts": inst[5]} for inst in instances]
-            masks = (torch.from_numpy(mask_utils.decode(rles)).permute(2, 0, 1).contiguous() if instances
+            # pycocotools decodes column-major (H, W, N): a DataLoader worker's copy into shared memory
+            # transposes it (`packing.pack`); this process transposes it here
+            masks = (torch.from_numpy(mask_utils.decode(rles)).permute(2, 0, 1) if instances
                      else torch.zeros((0, height, width), dtype=torch.uint8))
-            target["masks"] = tv_tensors.Mask(masks)
+            target["masks"] = tv_tensors.Mask(masks if get_worker_info() else masks.contiguous())
         return image, target
 
     def record_load_failures(self, failures: list[tuple], consequence: str = "using the next image instead") -> None:

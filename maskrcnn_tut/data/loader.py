@@ -34,6 +34,7 @@ from ..errors import ConfigError, DataError
 from ..preemption import STOP_SIGNALS
 from .coco import LOAD_FAILED_KEY, CocoDetection, coco_paths
 from .device_decode import decode_batch
+from .packing import pack
 from .shapes import default_cache_dir
 
 
@@ -43,16 +44,12 @@ def train_transforms() -> v2.Transform:
 
 
 def collate(batch):
-    """Detection batches are lists: images differ in size and targets in instance count. A worker moves
-    them to shared memory here, so a full /dev/shm raises and reaches the rank (`iterate`): in the
+    """Detection batches are lists: images differ in size and targets in instance count. A worker
+    packs the batch into one block of shared memory here (`packing.pack`; the training process
+    receives the batch itself), so a full /dev/shm raises and reaches the rank (`iterate`): in the
     queue's feeder thread it would only print and drop the batch, leaving the rank waiting forever."""
     columns = tuple(zip(*batch))
-    if get_worker_info() is not None:
-        for item in (item for column in columns for item in column):
-            for value in item.values() if isinstance(item, dict) else [item]:
-                if isinstance(value, torch.Tensor):
-                    value.share_memory_()
-    return columns
+    return pack(columns) if get_worker_info() is not None else columns
 
 
 def to_device(images, targets, device: torch.device, non_blocking: bool = False):

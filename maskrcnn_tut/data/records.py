@@ -50,10 +50,6 @@ class Records(Sequence):
         buffer = np.frombuffer(b"".join(items), dtype=np.uint8) if items else np.zeros(0, np.uint8)
         return cls(buffer, offsets)
 
-    @classmethod
-    def from_objects(cls, objects) -> "Records":
-        return cls.from_bytes([pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objects])
-
     def __len__(self) -> int:
         return len(self.index)
 

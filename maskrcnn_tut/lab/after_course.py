@@ -11,6 +11,8 @@
 - `torchvision_files(folder)`, `weights_report(cfg, num_classes)`, `weights_checks(...)`: state dicts shaped
   as torchvision's (built here with random values: nothing downloads), what `--weights` /
   `--weights-backbone` load from them, and what the loaded model must be.
+
+What these functions say comes from `prose/after_course.json`, in the book's language (`wording.say`).
 """
 from __future__ import annotations
 
@@ -32,19 +34,17 @@ from ..data.loader import build_dataset
 from ..evaluate import coco_metrics
 from ..model import build_model
 from ..monitor import read_jsonl
+from . import wording
 
 #: The overfit check passes when the last logged loss is at most this fraction of the first.
 OVERFIT_LOSS_RATIO = 0.5
-#: What each field of a COCO results entry means (the format `predict` writes and `COCO.loadRes` reads).
-RESULT_FIELDS = {
-    "image_id": "the image: its id in the training json's val split when the file name is there, else numbered "
-                "after them (images.json maps each path to its id)",
-    "category_id": "the class, as the training json's category id (not the model's label 1..N)",
-    "bbox": "the box as [x, y, width, height] in pixels of the original image (COCO's XYWH, not XYXY)",
-    "score": "the model's confidence, 0-1; COCO evaluation ranks detections by it",
-    "segmentation": "the mask as COCO run-length encoding: {'size': [height, width], 'counts': string}; "
-                    "pycocotools.mask.decode turns it into a height x width array of 0/1",
-}
+#: The fields of a COCO results entry (the format `predict` writes and `COCO.loadRes` reads); what
+#: each means is entry `meaning_<field>` of `prose/after_course.json`.
+RESULT_FIELDS = ("image_id", "category_id", "bbox", "score", "segmentation")
+
+
+def _say(entry: str, **values) -> str:
+    return wording.say(f"after_course.{entry}", **values)
 
 
 def run_cli(main: Callable[[list[str]], int], prog: str, argv: Sequence) -> None:
@@ -54,7 +54,7 @@ def run_cli(main: Callable[[list[str]], int], prog: str, argv: Sequence) -> None
     print(f"$ {prog} {shlex.join(args)}", flush=True)
     code = main(args)
     if code:
-        raise RuntimeError(f"{prog} exited with code {code} (its message is above)")
+        raise RuntimeError(_say("exited", prog=prog, code=code))
 
 
 def overfit_images(cfg, count: int) -> list[Path]:
@@ -86,7 +86,7 @@ def overfit_check(loss_values: Sequence[float], ratio: float = OVERFIT_LOSS_RATI
     """Whether the loss on a handful of images fell to `ratio` of where it began: a pipeline whose
     data, labels or loss are broken cannot memorize even a few images."""
     if len(loss_values) < 2:
-        raise ValueError("the overfit check needs at least two logged losses (lower --print-freq)")
+        raise ValueError(_say("two_losses"))
     first, last = float(loss_values[0]), float(loss_values[-1])
     return {"first": first, "last": last, "ratio": last / first, "passed": last <= ratio * first}
 
@@ -105,14 +105,14 @@ def explain_result(result: dict, gt_json: Path | str) -> list[dict]:
     and its mask decoded (pixels, and whether they lie inside its box)."""
     names = {c["id"]: c["name"] for c in json.loads(Path(gt_json).read_text())["categories"]}
     rows = []
-    for field, meaning in RESULT_FIELDS.items():
+    for field in RESULT_FIELDS:
         value = result[field]
         if field == "category_id":
-            value = f"{value} ({names.get(value, 'not in the json')})"
+            value = f"{value} ({names[value] if value in names else _say('not_in_json')})"
         elif field == "segmentation":
             mask = mask_utils.decode(value)
-            value = f"size {value['size']}, counts '{value['counts'][:16]}...': {int(mask.sum())} pixels"
-        rows.append({"field": field, "value": value, "meaning": meaning})
+            value = _say("mask", size=value["size"], counts=value["counts"][:16], pixels=int(mask.sum()))
+        rows.append({"field": field, "value": value, "meaning": _say(f"meaning_{field}")})
     return rows
 
 
@@ -195,16 +195,16 @@ def weights_report(cfg, num_classes: int) -> tuple[torch.nn.Module, list[str]]:
 
 def weights_checks(model: torch.nn.Module, path: Path | str, num_classes: int) -> dict[str, bool]:
     """What `--weights` promises for a torchvision Mask R-CNN file, each a yes or no: the backbone,
-    FPN and RPN are the file's, the class layers have this dataset's outputs, BatchNorm is frozen."""
+    FPN and RPN are the file's, the class layers have this dataset's outputs, BatchNorm is frozen.
+    Each check is worded in the book's language (the chapter prints them; no code reads them back)."""
     from torchvision.ops import FrozenBatchNorm2d
     source = torch.load(path, map_location="cpu", weights_only=True)
     own = model.state_dict()
     kept = [k for k in own if k.startswith(("backbone.", "rpn.")) and not k.endswith("num_batches_tracked")]
     norms = [m for m in model.modules() if isinstance(m, (torch.nn.BatchNorm2d, FrozenBatchNorm2d))]
-    return {"the backbone, FPN and RPN tensors are the file's": all(torch.equal(own[k], source[k]) for k in kept),
-            f"the class scores have {num_classes} outputs (the file has "
-            f"{source['roi_heads.box_predictor.cls_score.weight'].shape[0]})":
-                own["roi_heads.box_predictor.cls_score.weight"].shape[0] == num_classes,
-            "every BatchNorm is frozen, as torchvision freezes it": bool(norms) and all(
-                isinstance(m, FrozenBatchNorm2d) for m in norms)}
+    scores = "roi_heads.box_predictor.cls_score.weight"
+    return {_say("weights_kept"): all(torch.equal(own[k], source[k]) for k in kept),
+            _say("weights_classes", classes=num_classes, file=source[scores].shape[0]):
+                own[scores].shape[0] == num_classes,
+            _say("weights_frozen"): bool(norms) and all(isinstance(m, FrozenBatchNorm2d) for m in norms)}
 

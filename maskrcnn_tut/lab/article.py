@@ -27,6 +27,7 @@ import torch
 
 from .. import distributed as du
 from ..config import lr_scale, make_config
+from . import wording
 from .machine import environment_report
 from .proofs import TinyDetector, toy_batches
 from .rig import build_rig, synthetic_batches
@@ -53,7 +54,7 @@ def launchers(timeout_s: float = 120.0) -> list[dict]:
         for name, command in commands.items():
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=folder)
             seen = [json.loads(line[6:]) for line in done.stdout.splitlines() if line.startswith("PROBE ")]
-            rows.append({"launcher": name, "arguments the script got": " ".join(seen[0]["argv"]) or "(none)",
+            rows.append({"launcher": name, "arguments the script got": " ".join(seen[0]["argv"]) or wording.term("(none)"),
                          "LOCAL_RANK": seen[0]["LOCAL_RANK"], "attempts": len(seen),
                          "restarted after the failure": len(seen) > 1 and done.returncode == 0,
                          "deprecation warning": "is deprecated" in done.stderr})
@@ -75,7 +76,7 @@ def _error(call) -> str:
         call()
     except Exception as err:  # the point: which error the article's code raises
         return f"{type(err).__name__}: {err}"
-    return "no error"
+    return wording.term("no error")
 
 
 def _toy(seed: int = 0):
@@ -194,27 +195,22 @@ def stack_today(report: list[dict] | None = None) -> list[dict]:
                                             if Path(sys.executable).with_name("torchrun").exists() else None)
     try:
         import cv2  # noqa: F401  (only to say whether it is there)
-        opencv = "installed (unused)"
+        opencv = _say("installed_unused")
     except ImportError:
-        opencv = "not installed"
-    return [
-        {"the article": "PyTorch 1.6 or later", "today": "PyTorch 2.x, pinned by requirements.txt (chapter 2's check)",
-         "this machine": have.get("PyTorch / torchvision", "")},
-        {"the article": "CUDA 10.2 or later", "today": "the CUDA runtime inside the PyTorch wheel, and a recent "
-         "NVIDIA driver; no CUDA toolkit to install",
-         "this machine": f"CUDA {have.get(CUDA_ROW, '')}; GPUs: {have.get('GPUs', '')}"},
-        {"the article": "NCCL (implied by `backend='nccl'`)", "today": "in the wheel; gloo for CPU processes",
-         "this machine": f"NCCL {have.get('NCCL', '')}; backends {have.get('distributed backends', '')}"},
-        {"the article": "`python -m torch.distributed.launch --nproc_per_node=4 train_script.py`",
-         "today": "`torchrun --nproc_per_node=4 maskrcnn_tut/train.py`: `launch` is deprecated, runs torchrun's "
-         "code and passes `--local-rank` to the script unless `--use-env` (chapter 4)",
-         "this machine": f"torchrun: `{torchrun}`" if torchrun else "no torchrun on PATH: use "
-         "`python -m torch.distributed.run`"},
-        {"the article": "OpenCV for image transforms", "today": "not needed: torchvision.transforms.v2 moves "
-         "boxes and masks with the pixels", "this machine": f"OpenCV {opencv}"},
-        {"the article": "numpy / pillow", "today": "installed with torchvision", "this machine":
-         f"numpy {_version('numpy')}, pillow {_version('pillow')}; Python {have.get('Python', '')}"},
-    ]
+        opencv = _say("not_installed")
+    rows = [("pytorch", have.get("PyTorch / torchvision", "")),
+            ("cuda", _say("cuda_here", cuda=have.get(CUDA_ROW, ""), gpus=have.get("GPUs", ""))),
+            ("nccl", _say("nccl_here", nccl=have.get("NCCL", ""), backends=have.get("distributed backends", ""))),
+            ("launch", f"torchrun: `{torchrun}`" if torchrun else _say("no_torchrun")),
+            ("opencv", f"OpenCV {opencv}"),
+            ("numpy", _say("numpy_here", numpy=_version("numpy"), pillow=_version("pillow"),
+                           python=have.get("Python", "")))]
+    return [{"the article": _say(f"{name}_article"), "today": _say(f"{name}_today"), "this machine": here}
+            for name, here in rows]
+
+
+def _say(entry: str, **values) -> str:
+    return wording.say(f"article.{entry}", **values)
 
 
 #: torchvision's detection reference for Mask R-CNN R50-FPN (references/detection), quoted: its README's
@@ -235,20 +231,23 @@ def reference_recipe() -> list[dict]:
     from the preset itself: what it shares and where it differs (chapters 0 and 2; config.py's
     comments on the preset say why)."""
     cfg = make_config("gpu-r50")
+    term = wording.term
     mine = {
-        "backbone at the start": f"local file {cfg.weights_backbone}" if cfg.weights_backbone else
-        "random: trained from scratch (nothing is downloaded)",
-        "normalization": {"gn": "GroupNorm", "frozen": "frozen BatchNorm", "bn": "BatchNorm"}[cfg.norm],
+        "backbone at the start": _say("local_file", path=cfg.weights_backbone) if cfg.weights_backbone else
+        _say("from_scratch"),
+        "normalization": term({"gn": "GroupNorm", "frozen": "frozen BatchNorm", "bn": "BatchNorm"}[cfg.norm]),
         "epochs": cfg.epochs, "images per GPU": cfg.batch_size,
         "lr for 16 images": round(cfg.lr * lr_scale(cfg, 16), 6), "momentum": cfg.momentum,
-        "weight decay": f"{cfg.weight_decay:g} on weights, none on norms and biases",
-        "warm-up": f"{cfg.warmup_steps} steps",
-        "lr decay": "x0.1 at 16/26 and 22/26" if cfg.lr_decay == "steps" else cfg.lr_decay,
-        "aspect-ratio grouping": f"factor {cfg.aspect_ratio_group_factor}" if cfg.aspect_ratio_group_factor > 0
-        else "off", "AMP": "on" if cfg.amp else "off", "DataLoader workers per process": cfg.workers,
+        "weight decay": _say("decay_on_weights", decay=cfg.weight_decay),
+        "warm-up": _say("steps", steps=cfg.warmup_steps),
+        "lr decay": term("x0.1 at 16/26 and 22/26" if cfg.lr_decay == "steps" else cfg.lr_decay),
+        "aspect-ratio grouping": _say("factor", factor=cfg.aspect_ratio_group_factor)
+        if cfg.aspect_ratio_group_factor > 0 else term("off"), "AMP": term("on" if cfg.amp else "off"),
+        "DataLoader workers per process": cfg.workers,
     }
-    return [{"setting": name, "torchvision's reference (quoted)": quoted, "gpu-r50": mine[name],
-             "same": quoted == mine[name]} for name, quoted in TORCHVISION_REFERENCE.items()]
+    quote = {name: term(value) if isinstance(value, str) else value for name, value in TORCHVISION_REFERENCE.items()}
+    return [{"setting": term(name), "torchvision's reference (quoted)": quoted, "gpu-r50": mine[name],
+             "same": quoted == mine[name]} for name, quoted in quote.items()]
 
 
 def _version(package: str) -> str:
@@ -256,4 +255,4 @@ def _version(package: str) -> str:
     try:
         return version(package)
     except PackageNotFoundError:
-        return "not installed"
+        return _say("not_installed")

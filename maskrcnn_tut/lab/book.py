@@ -34,10 +34,13 @@ from .. import distributed as du
 from ..config import Config, default_preset, make_config
 from . import wording
 from .bench import markdown_table
+from .bench.shown import english, shown, shown_rows
 from .machine import hardware, hardware_label
 from .rig import shapes_config, shapes_dataset
-from .wording import term
+from .wording import say, term
 
+#: `book/results/`: results measured on other machines, read by both editions' chapters wherever they run.
+RESULTS = Path(__file__).resolve().parents[2] / "book" / "results"
 #: Images in COCO train2017, the dataset behind the usual Mask R-CNN schedules.
 COCO_TRAIN_IMAGES = 118_287
 #: The article's speed table (「モニタリングとベンチマーク分析」), quoted as published: its GPUs, its figures.
@@ -72,7 +75,8 @@ def set_language(lang: str) -> None:
     cells differ); Japanese plots get a CJK font (IPAexGothic, from matplotlib-fontja)."""
     wording.set_language(lang)
     if lang == "ja":
-        import matplotlib_fontja  # noqa: F401  (registers the font and makes it matplotlib's default)
+        import matplotlib_fontja  # registers the font and makes it matplotlib's default when imported
+        matplotlib_fontja.japanize()  # and again on a later call, after matplotlib's settings were reset
 
 
 # --------------------------------------------------------------------------- hardware
@@ -82,18 +86,17 @@ def hardware_summary() -> dict[str, Any]:
     """Show what this machine has and which preset the chapter runs; returns `machine.hardware()`
     with the preset added (key "preset")."""
     hw = {**hardware(), "preset": default_preset()}
-    gpus = ", ".join(f"{n} ({m:.0f} GB)" for n, m in zip(hw["gpus"], hw["gpu_memory_gb"])) or "none visible"
+    gpus = ", ".join(f"{n} ({m:.0f} GB)" for n, m in zip(hw["gpus"], hw["gpu_memory_gb"])) or term("none visible")
     cfg = make_config(hw["preset"])
-    rows = [{"": "CPU", "this machine": f"{hw['cpu']}, {hw['cores']} usable cores"},
-            {"": "RAM", "this machine": f"{hw['ram_gb']:.0f} GB" if hw["ram_gb"] else "unknown"},
+    rows = [{"": "CPU", "this machine": say("book.cpu_row", cpu=hw["cpu"], cores=hw["cores"])},
+            {"": "RAM", "this machine": f"{hw['ram_gb']:.0f} GB" if hw["ram_gb"] else term("unknown")},
             {"": "GPUs", "this machine": gpus},
-            {"": "preset", "this machine": f"`{hw['preset']}`: {cfg.backbone}-FPN, {cfg.min_size} px, "
-                                           f"batch {cfg.batch_size} per process"}]
+            {"": "preset", "this machine": say("book.preset_row", preset=hw["preset"], backbone=cfg.backbone,
+                                               min_size=cfg.min_size, batch=cfg.batch_size)}]
     show_table(rows)
     if not hw["gpus"]:
-        print(textwrap.fill("No GPU: every chapter runs its CPU analogue (gloo processes instead of one "
-                            "process per GPU, bfloat16 where the CPU has it instead of float16). On a GPU "
-                            "machine the same cells pick the gpu-r50 preset and use every visible GPU.", 100))
+        text = say("book.no_gpu")
+        print(textwrap.fill(text, 100) if wording.language() == "en" else text)  # Japanese has no spaces to wrap at
     return hw
 
 
@@ -131,11 +134,14 @@ def book_config(preset: str | None = None, **overrides) -> Config:
 
 
 def show_table(rows: Sequence[dict], columns: Sequence[str] | None = None, floatfmt: str = ".3g") -> None:
-    """Display rows as a table in the notebook and the rendered page, headers in the book's language."""
+    """Display rows as a table in the notebook and the rendered page, in the book's language: headers
+    and text cells through `bench.shown.shown` (a term, or stored English such as a benchmark's label,
+    read back), numbers as they are; the rows themselves keep their English keys and values."""
     from IPython.display import Markdown, display
-    columns = list(columns or (rows[0] if rows else ()))
-    shown = [{term(column): row.get(column) for column in columns} for row in rows]
-    display(Markdown(markdown_table(shown, [term(column) for column in columns], floatfmt)))
+    if not rows:
+        display(Markdown(markdown_table([])))
+        return
+    display(Markdown(markdown_table(*shown_rows(rows, columns), floatfmt)))
 
 
 def glue(name: str, value: Any, fmt: str = "") -> None:
@@ -163,7 +169,7 @@ def source_listing(obj, start: str | None = None, stop: str | None = None) -> st
     lines, first = inspect.getsourcelines(obj)
     path = Path(inspect.getsourcefile(obj)).resolve()
     package_root = Path(__file__).resolve().parents[2]
-    shown = path.relative_to(package_root) if path.is_relative_to(package_root) else path.name
+    named = path.relative_to(package_root) if path.is_relative_to(package_root) else path.name
     name = getattr(obj, "__qualname__", repr(obj))
 
     def find(text: str, begin: int, which: str) -> int:
@@ -172,13 +178,13 @@ def source_listing(obj, start: str | None = None, stop: str | None = None) -> st
                 return number
         after = f" after line {first + begin}" if begin else ""
         raise ValueError(f"show_source({name}): the {which} anchor {text!r} is not in its code{after} "
-                         f"({shown}, lines {first}-{first + len(lines) - 1}); the code changed: update the "
+                         f"({named}, lines {first}-{first + len(lines) - 1}); the code changed: update the "
                          "chapter's anchor")
 
     begin = find(start, 0, "start") if start else 0
     end = find(stop, begin, "stop") + 1 if stop else len(lines)
     code = "".join(lines[begin:end])
-    return f"`{shown}`, lines {first + begin}-{first + end - 1}:\n\n```python\n{code}```"
+    return say("book.listing", path=named, first=first + begin, last=first + end - 1) + f"\n\n```python\n{code}```"
 
 
 def show_source(obj, start: str | None = None, stop: str | None = None) -> None:
@@ -193,8 +199,8 @@ def line_plot(x: Sequence, series: dict[str, Sequence], title: str, xlabel: str,
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for label, ys in series.items():
-        ax.plot(x, ys, marker="o", label=label)
-    ax.set(title=f"{title}\n{hardware_label()}", xlabel=xlabel, ylabel=ylabel)
+        ax.plot(x, ys, marker="o", label=term(label))
+    ax.set(title=f"{term(title)}\n{hardware_label()}", xlabel=term(xlabel), ylabel=term(ylabel))
     if logx:
         ax.set_xscale("log", base=2)
     if logy:
@@ -209,15 +215,16 @@ def plot_data_vs_compute(result, title: str | None = None):
     """Stacked bars of a benchmark result's rows: median data time and compute time per step (ms)."""
     import matplotlib.pyplot as plt
     rows = [row for row in result.rows if row.get("data ms") is not None]
-    labels = [row.get("setting", row.get("setup", "")) for row in rows]
+    labels = [shown(row.get("setting", row.get("setup", ""))) for row in rows]
     compute = [row["compute ms"] for row in rows]
     data = [row["data ms"] for row in rows]
     fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.45 * len(rows)))
-    ax.barh(labels, compute, color="tab:blue", label="compute")
-    ax.barh(labels, data, left=compute, color="tab:orange", label="data (waiting for the loader)")
+    ax.barh(labels, compute, color="tab:blue", label=term("compute"))
+    ax.barh(labels, data, left=compute, color="tab:orange", label=term("data (waiting for the loader)"))
     ax.invert_yaxis()
-    ax.set(title=f"{title or result.title}\n{result.provenance.get('hardware', hardware_label())}",
-           xlabel="milliseconds per step (median)")
+    ax.set(title=f"{term(title) if title else shown(result.title)}\n"
+                 f"{shown(result.provenance['hardware']) if 'hardware' in result.provenance else hardware_label()}",
+           xlabel=term("milliseconds per step (median)"))
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
@@ -225,7 +232,8 @@ def plot_data_vs_compute(result, title: str | None = None):
 
 
 def beside_article(result) -> list[dict]:
-    """The article's speed table above the rows of a measured `bench.table` result, each labelled."""
+    """The article's speed table above the rows of a measured `bench.table` result, each labelled
+    (in English: `show_table` shows the rows in the book's language)."""
     rows = [{"source": "the article (its GPUs)", **{k: v for k, v in row.items() if k != "devices"}}
             for row in ARTICLE_SPEED_TABLE]
     for row in result.rows:
@@ -241,19 +249,20 @@ def plot_beside_article(result):
     fig, ax = plt.subplots(figsize=(6.4, 4))
     article = ARTICLE_SPEED_TABLE
     ax.plot([r["devices"] for r in article], [r["speedup"] for r in article], "s--", color="tab:gray",
-            label="the article (its GPUs, quoted)")
+            label=term("the article (its GPUs, quoted)"))
     for r in article:
         ax.annotate(r["setup"], (r["devices"], r["speedup"]), textcoords="offset points", xytext=(6, -10), fontsize=8)
     mine = [r for r in result.rows if r.get("img/s")]
     devices = [r["speedup"] / r["scaling efficiency"] for r in mine]
-    ax.plot(devices, [r["speedup"] for r in mine], "o", color="tab:green", markersize=8, label="this machine")
+    ax.plot(devices, [r["speedup"] for r in mine], "o", color="tab:green", markersize=8, label=term("this machine"))
     for d, r in zip(devices, mine):
-        ax.annotate(r["setup"], (d, r["speedup"]), textcoords="offset points", xytext=(6, 4), fontsize=8,
+        ax.annotate(shown(r["setup"]), (d, r["speedup"]), textcoords="offset points", xytext=(6, 4), fontsize=8,
                     color="tab:green")
     top = max(devices + [r["devices"] for r in article])
-    ax.plot([1, top], [1, top], ":", color="black", label="ideal (speedup = devices)")
-    ax.set(title=f"Speedup against devices used\nthis machine: {result.provenance.get('hardware', hardware_label())}",
-           xlabel="devices used (GPUs; on a CPU, cores)", ylabel="speedup over one device (x)")
+    ax.plot([1, top], [1, top], ":", color="black", label=term("ideal (speedup = devices)"))
+    hardware = shown(result.provenance["hardware"]) if "hardware" in result.provenance else hardware_label()
+    ax.set(title=say("book.speedup_title", hardware=hardware), xlabel=term("devices used (GPUs; on a CPU, cores)"),
+           ylabel=term("speedup over one device (x)"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -262,7 +271,8 @@ def plot_beside_article(result):
 
 def fits_table(result, cards_gb: Sequence[float] = (11, 24, 80), headroom: float = 0.9) -> list[dict]:
     """From a `memory.memory_table` result: per image size, the largest batch whose total stays
-    below `headroom` of each card's memory ("none" when not even batch 1 fits)."""
+    below `headroom` of each card's memory ("none" when not even batch 1 fits); in English, which
+    `show_table` shows in the book's language."""
     sizes = sorted({row["image size"] for row in result.rows})
     table = []
     for size in sizes:
@@ -270,7 +280,7 @@ def fits_table(result, cards_gb: Sequence[float] = (11, 24, 80), headroom: float
         entry = {"image size": f"{size} x {size}"}
         for card in cards_gb:
             fitting = [row["batch"] for row in rows if row["total MiB"] < headroom * card * 1024]
-            entry[f"{card:g} GB card"] = f"batch {max(fitting)}" if fitting else "none"
+            entry[english("book.card", card=card)] = english("book.batch", batch=max(fitting)) if fitting else "none"
         table.append(entry)
     return table
 
@@ -306,12 +316,12 @@ def show_predictions(model, dataset, count: int = 4, top: int = 3, title: str = 
                 ax.text(box[0], box[1], text, fontsize=7, color="white", va="bottom",
                         bbox=dict(facecolor=colors(int(labels[k])), alpha=0.7, pad=1, linewidth=0))
             ax.set_axis_off()
-        axes[0, column].set_title(f"image {target['image_id']}", fontsize=9)
-    axes[0, 0].text(-0.08, 0.5, "ground truth", rotation=90, va="center", ha="right",
+        axes[0, column].set_title(say("book.image", image=target["image_id"]), fontsize=9)
+    axes[0, 0].text(-0.08, 0.5, term("ground truth"), rotation=90, va="center", ha="right",
                     transform=axes[0, 0].transAxes)
-    axes[1, 0].text(-0.08, 0.5, f"top {top} predictions", rotation=90, va="center",
+    axes[1, 0].text(-0.08, 0.5, say("book.top_predictions", top=top), rotation=90, va="center",
                     ha="right", transform=axes[1, 0].transAxes)
-    fig.suptitle(f"{title}\n{hardware_label()}".strip())
+    fig.suptitle(f"{term(title)}\n{hardware_label()}".strip())
     fig.tight_layout()
     return fig
 
@@ -330,7 +340,7 @@ def setting_explorer(measure: Callable[..., Any], options: dict[str, Sequence], 
     controls = {name: widgets.Dropdown(options=list(values), value=initial[name], description=name,
                                        style={"description_width": "initial"})
                 for name, values in options.items()}
-    button = widgets.Button(description="Run this setting", icon="play")
+    button = widgets.Button(description=term("Run this setting"), icon="play")
     output = widgets.Output()
 
     def run(_=None) -> None:

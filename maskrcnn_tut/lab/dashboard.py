@@ -7,7 +7,8 @@
   rendered page.
 
 matplotlib and ipywidgets are imported only when a figure or widget is made, and `train.py` and
-`monitor` never import this module: training on a server needs neither.
+`monitor` never import this module: training on a server needs neither. Titles, labels and the
+status line are in the book's language (`wording`).
 """
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ import statistics
 import torch
 
 from .. import distributed as du
-from ..hardware import device_memory_mb
 from ..monitor import metrics_row
 from .gpus import GPUSampler
 from .health import MAX_MEMORY_FRACTION
-from .machine import hardware_label
+from .machine import device_memory_mb, hardware_label
+from .wording import say, term
 
 
 def plot_metrics(rows: list[dict], title: str = "Training step", total_memory_mb: float | None = None):
@@ -31,25 +32,25 @@ def plot_metrics(rows: list[dict], title: str = "Training step", total_memory_mb
     data = [row["data_time"] for row in rows]
     compute = [row["iter_time"] - row["data_time"] for row in rows]
     fig, (ax_time, ax_speed, ax_memory) = plt.subplots(1, 3, figsize=(12, 3.4))
-    ax_time.bar(steps, compute, label="compute", color="tab:blue")
-    ax_time.bar(steps, data, bottom=compute, label="data (waiting for the loader)", color="tab:orange")
-    ax_time.set(title="Where a step's time goes", xlabel="step", ylabel="seconds per step")
+    ax_time.bar(steps, compute, label=term("compute"), color="tab:blue")
+    ax_time.bar(steps, data, bottom=compute, label=term("data (waiting for the loader)"), color="tab:orange")
+    ax_time.set(title=term("Where a step's time goes"), xlabel=term("step"), ylabel=term("seconds per step"))
     ax_time.legend(fontsize=8)
     ax_speed.plot(steps, [row["img_per_s"] for row in rows], marker=".", color="tab:green")
     if rows:
         median = statistics.median(row["img_per_s"] for row in rows)
-        ax_speed.axhline(median, color="gray", linestyle="--", label=f"median {median:.2f}")
+        ax_speed.axhline(median, color="gray", linestyle="--", label=say("dashboard.median", median=median))
         ax_speed.legend(fontsize=8)
-    ax_speed.set(title="Throughput", xlabel="step", ylabel="images / s", ylim=(0, None))
-    ax_memory.plot(steps, [row["max_mem_mb"] for row in rows], marker=".", color="tab:purple", label="peak")
+    ax_speed.set(title=term("Throughput"), xlabel=term("step"), ylabel=term("images / s"), ylim=(0, None))
+    ax_memory.plot(steps, [row["max_mem_mb"] for row in rows], marker=".", color="tab:purple", label=term("peak"))
     if total_memory_mb:
         ax_memory.axhline(MAX_MEMORY_FRACTION * total_memory_mb, color="tab:red", linestyle="--",
-                          label=f"{MAX_MEMORY_FRACTION:.0%} of {total_memory_mb:.0f} MiB")
-    ax_memory.set(title="Peak memory", xlabel="step", ylabel="MiB", ylim=(0, None))
+                          label=say("dashboard.share_of", share=MAX_MEMORY_FRACTION, total=total_memory_mb))
+    ax_memory.set(title=term("Peak memory"), xlabel=term("step"), ylabel="MiB", ylim=(0, None))
     ax_memory.legend(fontsize=8)
     for ax in (ax_time, ax_speed, ax_memory):
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{title} — {hardware_label()}")
+    fig.suptitle(f"{term(title)} — {hardware_label()}")
     fig.tight_layout()
     return fig
 
@@ -82,10 +83,10 @@ class LiveDashboard:
         if self.live:
             import ipywidgets as widgets
             from IPython.display import HTML, display
-            self.progress = widgets.IntProgress(value=0, min=0, max=total_steps or 1, description="steps")
-            self.status = widgets.HTML("waiting for the first step")
+            self.progress = widgets.IntProgress(value=0, min=0, max=total_steps or 1, description=term("steps"))
+            self.status = widgets.HTML(term("waiting for the first step"))
             display(widgets.VBox([self.progress, self.status]))
-            self.figure_handle = display(HTML(f"<i>the figure appears after step {redraw_every}</i>"),
+            self.figure_handle = display(HTML(f"<i>{say('dashboard.figure_after', step=redraw_every)}</i>"),
                                          display_id=True)
 
     def __call__(self, record) -> None:
@@ -98,9 +99,8 @@ class LiveDashboard:
     def _update_status(self) -> None:
         row = self.rows[-1]
         self.progress.value = min(row["step"], self.progress.max)
-        text = (f"step {row['step']}: loss {row['loss']:.3f}, {row['img_per_s']:.2f} img/s, "
-                f"data {100 * row['data_time'] / row['iter_time']:.0f} % of the step, "
-                f"peak memory {row['max_mem_mb']:.0f} MiB")
+        text = say("dashboard.status", step=row["step"], loss=row["loss"], speed=row["img_per_s"],
+                   data=100 * row["data_time"] / row["iter_time"], memory=row["max_mem_mb"])
         if self.gpus is not None and self.gpus.available:
             text += "; " + ", ".join(f"GPU {g['gpu']} {g['util']:.0f} %" for g in self.gpus.latest())
         self.status.value = text

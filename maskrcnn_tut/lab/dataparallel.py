@@ -26,18 +26,17 @@ import torch
 from torch import nn
 from torch.nn.parallel import replicate, scatter_gather
 
+from . import wording
+
 
 class DataParallelUnavailable(RuntimeError):
     """DataParallel needs at least two GPUs; the message says what this machine has."""
 
 
 def explain_unavailable(n_gpus: int) -> str:
-    """Why DataParallel cannot run on a machine with `n_gpus` GPUs, and what it would do on more."""
-    return (f"DataParallel needs >= 2 GPUs; this machine has {n_gpus}. On 2 or more GPUs you "
-            "would see one process split each batch across the GPUs, copy the model to every GPU "
-            "each step and gather the losses on GPU 0: faster than one GPU (the article measured "
-            "9.8 img/s on 2 GPUs against 5.2 on one, 1.88x), but GPU 0 carries extra memory and "
-            "one Python process feeds them all, so DDP (one process per GPU) scales better.")
+    """Why DataParallel cannot run on a machine with `n_gpus` GPUs, and what it would do on more, in
+    the book's language."""
+    return wording.say("dataparallel.unavailable", gpus=n_gpus)
 
 
 class _ChunkOnCpu:

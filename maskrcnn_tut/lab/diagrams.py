@@ -9,13 +9,16 @@
 - `draw_ring_allreduce(ranks)`: that log drawn: who holds which partial sum of each chunk after
   every reduce-scatter and all-gather step, and the bytes a rank sends, 2(N-1)/N of the data.
 
-Nothing here measures anything: the figures are the algorithms, not this machine.
+Nothing here measures anything: the figures are the algorithms, not this machine. Their words are
+in the book's language (`wording`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from .wording import say, term
 
 DP_COLOR, DDP_COLOR, COMM_COLOR, IDLE_COLOR = "#c6dbef", "#c7e9c0", "#fdd0a2", "#eeeeee"
 
@@ -42,7 +45,7 @@ def _frame(ax, xs: list[float], top: float, title: str, width: float = 1.0) -> N
         ax.text(x + width / 2, -0.35, f"GPU {i}", ha="center", fontsize=8, weight="bold")
     ax.set_xlim(-3.3, xs[-1] + width + 0.4)
     ax.set_ylim(-0.7, top + 0.9)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(term(title), fontsize=10)
 
 
 def _dataparallel(ax, n: int) -> None:
@@ -52,17 +55,17 @@ def _dataparallel(ax, n: int) -> None:
             "3 forward in threads\n(one Python process, one GIL)", "4 gather outputs\nand losses on GPU 0",
             "5 backward: gradients\nsummed onto GPU 0", "6 optimizer step\non GPU 0 only"]
     top = len(rows) * 1.2
-    _box(ax, xs[0] - 0.1, top + 0.15, xs[-1] + width + 0.2, 0.55, "one process drives every GPU", DP_COLOR, 8)
+    _box(ax, xs[0] - 0.1, top + 0.15, xs[-1] + width + 0.2, 0.55, term("one process drives every GPU"), DP_COLOR, 8)
     cells = {1: ("weights", "copy of\nweights"), 2: ("forward\nthread 0", "forward\nthread {i}"),
              3: ("all outputs", "outputs"), 4: ("all grads", "grads"), 5: ("step", "idle")}
     for r, label in enumerate(rows):
         y = top - (r + 1) * 1.2
-        ax.text(-0.25, y + 0.4, label, ha="right", va="center", fontsize=7.5)
+        ax.text(-0.25, y + 0.4, term(label), ha="right", va="center", fontsize=7.5)
         for i, x in enumerate(xs):
             if r == 0:
-                text, color = f"images\n{2 * i}-{2 * i + 1}", DP_COLOR
+                text, color = say("diagrams.images", first=2 * i, last=2 * i + 1), DP_COLOR
             else:
-                text = cells[r][0] if i == 0 else cells[r][1].format(i=i)
+                text = term(cells[r][0]) if i == 0 else term(cells[r][1]).format(i=i)
                 color = DP_COLOR if i == 0 or r in (0, 2) else IDLE_COLOR if r == 5 else COMM_COLOR
             _box(ax, x, y, width, 0.8, text, color)
             if i and r in (1, 3, 4):  # through GPU 0: out of it (replicate) or into it (gather, reduce)
@@ -80,16 +83,17 @@ def _ddp(ax, n: int) -> None:
             "6 the same averaged gradients:\noptimizer step on every process"]
     top = len(rows) * 1.2
     for i, x in enumerate(xs):
-        _box(ax, x, top + 0.15, width, 0.55, f"process {i}", DDP_COLOR, 8)
+        _box(ax, x, top + 0.15, width, 0.55, say("diagrams.process", i=i), DDP_COLOR, 8)
     for r, label in enumerate(rows):
         y = top - (r + 1) * 1.2
-        ax.text(-0.25, y + 0.4, label, ha="right", va="center", fontsize=7.5)
+        ax.text(-0.25, y + 0.4, term(label), ha="right", va="center", fontsize=7.5)
         for i, x in enumerate(xs):
             if r in (0, 1, 5):
-                _box(ax, x, y, width, 0.8, (f"images\n{2 * i}-{2 * i + 1}", "forward", "", "", "", "step")[r], DDP_COLOR)
+                text = say("diagrams.images", first=2 * i, last=2 * i + 1) if r == 0 else term(("forward", "step")[r == 5])
+                _box(ax, x, y, width, 0.8, text, DDP_COLOR)
                 continue
             compute = {2: ("backward\nL..k", DDP_COLOR), 3: ("backward\nk..1", DDP_COLOR), 4: ("wait", IDLE_COLOR)}[r]
-            _box(ax, x, y, width * 0.55, 0.8, compute[0], compute[1], 6.5)
+            _box(ax, x, y, width * 0.55, 0.8, term(compute[0]), compute[1], 6.5)
             if r > 2:
                 _box(ax, x + width * 0.6, y, width * 0.4, 0.8, f"all-\nreduce\nb{r - 3}", COMM_COLOR, 6)
         if r in (3, 4):  # the ring, in the gap under the row: each process sends to the next, the last to the first
@@ -107,9 +111,7 @@ def draw_dataparallel_vs_ddp(devices: int = 3):
     _ddp(axes[1], devices)
     for ax in axes:
         ax.set_axis_off()
-    fig.suptitle("One training step: DataParallel moves weights, outputs and gradients through GPU 0 every step; "
-                 "DDP moves only gradients,\nin buckets, between peers, while backward is still running "
-                 "(blue/green: compute, orange: data moved between devices, grey: idle)", fontsize=9)
+    fig.suptitle(say("diagrams.dp_vs_ddp"), fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -168,9 +170,7 @@ def draw_ring_allreduce(ranks: int = 4):
     for k, ax in enumerate(axes.flat):
         ax.set_axis_off()
         if k == len(steps):
-            ax.text(0.0, 0.5, f"Per rank, whatever N is:\n- reduce-scatter: N-1 sends of 1/N\n- all-gather: N-1 sends "
-                    f"of 1/N\n= 2(N-1)/N x the gradient bytes\n  ({2 * (ranks - 1) / ranks:.2f}x at N = {ranks}, "
-                    "-> 2x as N grows)\nin 2(N-1) steps, each as slow as\nthe slowest link of the ring",
+            ax.text(0.0, 0.5, say("diagrams.per_rank", ratio=2 * (ranks - 1) / ranks, ranks=ranks),
                     fontsize=8, va="center", transform=ax.transAxes)
         if k >= len(steps):
             continue
@@ -184,23 +184,21 @@ def draw_ring_allreduce(ranks: int = 4):
                 edge = "#e6550d" if (r, c) in receiving else "#777777"
                 ax.add_patch(plt.Rectangle((c, ranks - 1 - r), 0.92, 0.86, facecolor=face, edgecolor=edge,
                                            linewidth=2.0 if (r, c) in receiving else 0.6))
-                label = "all" if len(who) == ranks else "+".join(str(i) for i in sorted(who))
+                label = term("all") if len(who) == ranks else "+".join(str(i) for i in sorted(who))
                 ax.text(c + 0.46, ranks - 1 - r + 0.43, label, ha="center", va="center", fontsize=7,
                         weight="bold" if (r, c) in sending else "normal",
                         color="white" if len(who) > ranks / 2 else "black")
         for r in range(ranks):
-            ax.text(-0.15, ranks - 1 - r + 0.43, f"rank {r}", ha="right", va="center", fontsize=7)
+            ax.text(-0.15, ranks - 1 - r + 0.43, say("diagrams.rank", rank=r), ha="right", va="center", fontsize=7)
         for c in range(ranks):
-            ax.text(c + 0.46, ranks + 0.05, f"chunk {c}", ha="center", va="bottom", fontsize=6.5)
+            ax.text(c + 0.46, ranks + 0.05, say("diagrams.chunk", chunk=c), ha="center", va="bottom", fontsize=6.5)
         number = k if step.phase == "reduce-scatter" else k - (ranks - 1)
-        title = "start: every rank holds\nits own gradients" if step.phase == "start" else \
-            f"{step.phase} step {number}\nrank r sends a chunk to r+1"
+        title = say("diagrams.start") if step.phase == "start" else \
+            say("diagrams.ring_step", phase=step.phase, number=number)
         ax.set_title(title, fontsize=8)
         ax.set_xlim(-1.2, ranks + 0.1)
         ax.set_ylim(-0.2, ranks + 0.6)
-    fig.suptitle(f"Ring all-reduce over {ranks} ranks: a cell shows whose gradients that rank's copy of the chunk "
-                 f"sums (orange edge: just received; bold: sent in this step).\nEach rank sends 2(N-1) = "
-                 f"{2 * (ranks - 1)} chunks of 1/N of the data: {sent} of {ranks * 4} elements here, "
-                 f"2(N-1)/N = {2 * (ranks - 1) / ranks:.2f}x the gradient bytes, whatever N is", fontsize=9)
+    fig.suptitle(say("diagrams.ring_title", ranks=ranks, chunks=2 * (ranks - 1), sent=sent, elements=ranks * 4,
+                     ratio=2 * (ranks - 1) / ranks), fontsize=9)
     fig.tight_layout()
     return fig

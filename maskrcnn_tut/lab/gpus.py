@@ -10,6 +10,9 @@ NVML is opened once per use and shut down after it (`nvml_session`): by `NvmlRea
 utilization and memory of the run's GPUs, which `GPUSampler` samples in a thread), by
 `gpu_health` (temperature, power, ECC errors, throttling and PCIe link of every GPU this process
 can use) and by `nvlink_links` (active NVLink links per GPU).
+
+What a reader sees (`describe`, why a sampler is unavailable, a GPU's health finding) is worded in
+the book's language (`wording`, catalog `prose/gpus.json`).
 """
 from __future__ import annotations
 
@@ -25,6 +28,11 @@ import torch
 
 from .. import distributed as du
 from ..hardware import gpu_count
+from . import wording
+
+
+def _say(entry: str, **values) -> str:
+    return wording.say(f"gpus.{entry}", **values)
 
 
 class GpuUnavailable(RuntimeError):
@@ -69,8 +77,7 @@ def nvml_indices(cuda_devices: Sequence[int], nvml, handles: list) -> list[int]:
         uuid, pci = cuda_device_ids(index)
         number = by_uuid.get(uuid, by_pci.get(pci))
         if number is None:
-            raise GpuUnavailable(f"not available: CUDA device {index} (UUID {uuid}) is not among the "
-                                 f"{len(handles)} GPUs NVML reports")
+            raise GpuUnavailable(_say("not_listed", index=index, uuid=uuid, count=len(handles)))
         found.append(number)
     return found
 
@@ -83,11 +90,11 @@ def nvml_session(nvml=None):
         try:
             import pynvml as nvml
         except ImportError as err:
-            raise GpuUnavailable("not available: nvidia-ml-py is not installed") from err
+            raise GpuUnavailable(_say("no_pynvml")) from err
     try:
         nvml.nvmlInit()
     except Exception as err:  # pynvml.NVMLError: no library, no driver, no permission
-        raise GpuUnavailable(f"not available: no NVIDIA driver or GPU ({err})") from err
+        raise GpuUnavailable(_say("no_driver", err=err)) from err
     try:
         yield nvml
     finally:
@@ -98,7 +105,7 @@ def cuda_handles(nvml, cuda_devices: Sequence[int]) -> list[tuple[int, int, obje
     """(CUDA index, NVML index, NVML handle) of each CUDA device, in an open `nvml_session`."""
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
     if not handles:
-        raise GpuUnavailable("not available: the NVIDIA driver reports no GPU")
+        raise GpuUnavailable(_say("no_gpu_reported"))
     numbers = nvml_indices(cuda_devices, nvml, handles)
     return [(cuda, number, handles[number]) for cuda, number in zip(cuda_devices, numbers)]
 
@@ -111,7 +118,7 @@ class NvmlReader:
 
     def __init__(self, cuda_devices: Sequence[int], nvml=None):
         if not cuda_devices:
-            raise GpuUnavailable(f"not available: this run uses no GPU (it runs on {du.info().device.type})")
+            raise GpuUnavailable(_say("no_gpu_used", device=du.info().device.type))
         self._session = contextlib.ExitStack()
         self.nvml = self._session.enter_context(nvml_session(nvml))
         try:
@@ -216,15 +223,15 @@ class GPUSampler:
 
     def describe(self) -> str:
         if not self.available:
-            return f"GPU sampler: {self.reason}"
-        return "; ".join(f"{gpu_name(g)}: {g['util_mean']:.0f} % busy, {g['mem_used_max_mb']:.0f} of "
-                         f"{g['mem_total_mb']:.0f} MiB at most ({g['samples']} samples)" for g in self.summary())
+            return _say("sampler", reason=self.reason)
+        return "; ".join(_say("busy", name=gpu_name(g), util=g["util_mean"], used=g["mem_used_max_mb"],
+                              total=g["mem_total_mb"], samples=g["samples"]) for g in self.summary())
 
 
 def gpu_name(gpu: dict) -> str:
     """'GPU 0', with nvidia-smi's number beside it where the two differ (CUDA_VISIBLE_DEVICES)."""
     number = gpu.get("nvml_index", gpu["gpu"])
-    return f"GPU {gpu['gpu']}" + (f" (nvidia-smi GPU {number})" if number != gpu["gpu"] else "")
+    return f"GPU {gpu['gpu']}" if number == gpu["gpu"] else _say("smi_name", gpu=gpu["gpu"], number=number)
 
 
 def _nvml_value(call, *args, default=None):
@@ -252,25 +259,23 @@ def _health(nvml, handle) -> dict:
     exclusive = _nvml_value(nvml.nvmlDeviceGetComputeMode, handle) == 3  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
     problems = []
     if exclusive:
-        problems.append("EXCLUSIVE_PROCESS compute mode: one process at a time, so worker processes cannot "
-                        "use it while a notebook kernel holds it")
+        problems.append(_say("exclusive"))
     if ecc:
-        problems.append(f"{ecc} uncorrected ECC errors since the driver loaded: drain this GPU")
+        problems.append(_say("ecc", ecc=ecc))
     # idle (0x1) and applications-clocks setting (0x2) are normal; the rest slows the GPU
     if throttle and throttle & ~0x3:
-        problems.append(f"clocks held down (reasons mask {throttle:#x}: power, thermal or sync boost)")
+        problems.append(_say("throttle", mask=throttle))
     if temp is not None and temp >= 85:
         problems.append(f"{temp} °C")
     if width and max_width and width < max_width and gen and max_gen and gen < max_gen:
-        problems.append(f"PCIe gen {gen} x{width} of gen {max_gen} x{max_width} (idle GPUs drop the "
-                        "link speed; check again under load)")
+        problems.append(_say("pcie", gen=gen, width=width, max_gen=max_gen, max_width=max_width))
     return {"name": name, "temperature C": temp,
             "power W": power / 1000 if power is not None else None,
             "power limit W": limit / 1000 if limit is not None else None,
             "memory used MiB": memory.used / 2**20 if memory else None,
             "memory MiB": memory.total / 2**20 if memory else None,
             "uncorrected ECC": ecc, "PCIe": f"gen {gen} x{width}" if gen else None, "exclusive": exclusive,
-            "ok": not problems, "finding": "; ".join(problems) or "healthy"}
+            "ok": not problems, "finding": "; ".join(problems) or _say("healthy")}
 
 
 def gpu_health(nvml=None, cuda_devices: Sequence[int] | None = None) -> list[dict]:

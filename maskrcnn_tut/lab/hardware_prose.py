@@ -12,6 +12,8 @@ ones included, is tested on simulated 1- and 8-GPU hosts.
 - `autocast_small_images(ratio, size, weight_copies_mib)`: autocast's activations at small images (ch. 1).
 - `tf32(capability)`: whether this GPU's "fp32" is TF32, and that the book's tools keep it on (ch. 5).
 - `first_run(ap50, losses)`: what a short run of train.py reached (ch. 10).
+
+Each sentence is an entry of `prose/hardware_prose.json`, in the book's language (`wording.say`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,17 @@ import inspect
 
 import torchvision
 
+from . import wording
 from .wording import FASTER, SLOWER
+
+
+def _say(entry: str, **values) -> str:
+    return wording.say(f"hardware_prose.{entry}", **values)
+
+
+def _count(entry: str, n: int) -> str:
+    """`entry_one` or `entry_many` ("1 thread", "4 threads") of the catalog, by `n`."""
+    return _say(f"{entry}_{'many' if n > 1 else 'one'}", n=n)
 
 
 def benchmark_verdict(found: dict, steps: int, bound: int) -> str:
@@ -27,26 +39,19 @@ def benchmark_verdict(found: dict, steps: int, bound: int) -> str:
     kind of image sizes, on against off at the median step and over every step; on a CPU, what a
     GPU would measure instead (the sweep has no benchmark rows there)."""
     if found["benchmark"] is None:
-        return ("This machine has no GPU, so the sweep could not time `cudnn.benchmark`; on a GPU the same cell times "
-                "it off and on. What decides it there: each new input shape is autotuned once and then read from "
-                f"cuDNN's cache. With fixed sizes the backbone meets a few shapes and the mask head at most {bound} "
-                "(the bound above), so autotuning is a one-time cost that a long run amortises; with varying sizes "
-                "the backbone keeps meeting new shapes for much longer.")
+        return _say("benchmark_no_gpu", bound=bound)
     sentences = []
     for kind, (median, every) in found["benchmark"].items():
+        sizes = _say(f"sizes_{kind}")
         if median != FASTER:
-            sentences.append(f"With {kind} sizes autotuning found no faster kernels: the median step with "
-                             f"`cudnn.benchmark=True` was {'slower' if median == SLOWER else 'no faster'}.")
+            sentences.append(_say("benchmark_no_faster", sizes=sizes,
+                                  how=_say("was_slower" if median == SLOWER else "was_no_faster")))
         elif every == FASTER:
-            sentences.append(f"With {kind} sizes `cudnn.benchmark=True` was faster even counting the steps that "
-                             f"autotuned: it paid for itself within {steps} steps.")
+            sentences.append(_say("benchmark_paid", sizes=sizes, steps=steps))
         else:
-            sentences.append(f"With {kind} sizes `cudnn.benchmark=True` made the median step faster but, counting "
-                             f"every step, was {'slower' if every == SLOWER else 'no faster'}: in {steps} steps the "
-                             "autotuning of new shapes cost more than it saved. That cost is paid once per shape "
-                             f"(at most {bound} in the mask head), so a longer run (`bench.sweep_cudnn(steps=...)`) "
-                             "is the fair test.")
-    return " ".join(sentences)
+            sentences.append(_say("benchmark_not_repaid", sizes=sizes, steps=steps, bound=bound,
+                                  how=_say("was_slower" if every == SLOWER else "was_no_faster")))
+    return _say("sep").join(sentences)
 
 
 def roi_align_compiles_when_deterministic() -> bool:
@@ -62,25 +67,12 @@ def determinism(hw: dict, repeated: bool, threads: int, compiled_roi_align: bool
     torchvision has it (`compiled_roi_align`, default: the installed one), warnings for the rest."""
     compiled = roi_align_compiles_when_deterministic() if compiled_roi_align is None else compiled_roi_align
     if hw["gpus"]:
-        opening = (f"On this machine's {len(hw['gpus'])} GPU{'s' * (len(hw['gpus']) > 1)} the flag matters: ")
+        opening = _say("opening_gpus", gpus=_count("gpus", len(hw["gpus"])))
     else:
-        seen = ("gave identical losses, so here the seed alone made a run repeat and `--deterministic` adds nothing "
-                "you could see in a loss" if repeated else
-                "did not repeat, so even here the seed alone is not enough: use `--deterministic`")
-        opening = (f"Two CPU runs with the same seed, at {threads} thread{'s' * (threads > 1)}, {seen} (another "
-                   "thread count can change the order of a sum). No GPU here; on one the flag matters: ")
-    roi = (f"with deterministic algorithms on, torchvision {torchvision.__version__.split('+')[0]} runs RoIAlign "
-           "through a compiled pure-PyTorch kernel whose backward is deterministic (it costs a `torch.compile` at "
-           "the first steps and some memory), and the CUDA ops that still have no deterministic kernel, such as "
-           "the classification loss's NLL loss, only warn (`warn_only`), so runs repeat except in the ops those "
-           "warnings name." if compiled else
-           f"torchvision {torchvision.__version__.split('+')[0]} has no deterministic CUDA kernel for RoIAlign's "
-           "backward (it adds with atomics), so `--deterministic` only warns there (`warn_only`) and runs can still "
-           "differ in the last bits.")
-    return (opening + "`cudnn.benchmark` may pick different algorithms in different runs and several CUDA kernels "
-            "add with atomics in whatever order threads arrive, so the same seed can give different last bits, "
-            "which training then amplifies. `--deterministic` turns on cuDNN's deterministic algorithms and "
-            "`CUBLAS_WORKSPACE_CONFIG` for convolutions and matmuls; " + roi)
+        opening = _say("opening_cpu", threads=_count("threads", threads),
+                       seen=_say("cpu_repeated" if repeated else "cpu_not_repeated"))
+    version = torchvision.__version__.split("+")[0]
+    return _say("determinism", opening=opening, roi=_say("roi_compiled" if compiled else "roi_atomic", version=version))
 
 
 def workers_and_cores(hw: dict, workers: int) -> str:
@@ -90,56 +82,34 @@ def workers_and_cores(hw: dict, workers: int) -> str:
     cores, gpus = hw["cores"], len(hw["gpus"])
     if not gpus:
         share = min(1.0, workers / cores)
-        return (f"Here training runs on all {cores} usable cores, so {workers} workers take CPU time from it whenever "
-                "they decode: expect the compute bars to " + ("grow" if share >= 0.25 else "barely change")
-                + f" (the workers can keep up to {share:.0%} of the cores busy), and more workers prefetch more "
-                "batches at once.")
+        return _say("workers_cpu", cores=cores, workers=workers, share=share,
+                    change=_say("bars_grow" if share >= 0.25 else "bars_barely_change"))
     busy = gpus * (workers + 1)
-    if busy <= cores:
-        return (f"Here {gpus} training process{'es' * (gpus > 1)} (one per GPU) with {workers} workers each need "
-                f"{busy} cores and this machine has {cores}: the workers need not take CPU time from the processes "
-                "that launch the GPU's kernels, so expect the compute bars to stay as they are and the data bars to "
-                "shrink.")
-    return (f"Here {gpus} training process{'es' * (gpus > 1)} (one per GPU) with {workers} workers each would keep "
-            f"{busy} processes busy on {cores} cores: the workers compete with the processes that launch the GPU's "
-            "kernels, so expect the compute bars to grow; give each process fewer workers.")
+    return _say("workers_gpus_fit" if busy <= cores else "workers_gpus_short", cores=cores, workers=workers,
+                busy=busy, processes=_count("processes", gpus))
 
 
 def autocast_small_images(ratio: float, size: int, weight_copies_mib: float) -> str:
     """Chapter 1: autocast's activations at the smallest image size counted, as a share of fp32's;
     the half-precision weight copies explain a share above 100 % and only then."""
-    if ratio > 1:
-        return (f"while at {size} px they are {ratio:.0%}: there the half-precision weight copies "
-                f"({weight_copies_mib:.0f} MiB at 2 bytes per parameter) outweigh what the smaller activations save.")
-    return (f"and at {size} px {ratio:.0%}: even there what the smaller activations save outweighs the "
-            f"half-precision weight copies ({weight_copies_mib:.0f} MiB at 2 bytes per parameter).")
+    return _say("copies_outweigh" if ratio > 1 else "savings_outweigh", size=size, ratio=ratio,
+                mib=weight_copies_mib)
 
 
 def tf32(capability: tuple[int, int] | None) -> str:
     """Chapter 5: whether this machine's "fp32" rows are TF32; the book's tools keep TF32 on."""
-    tools = ("The book's tools keep TF32 on: `engine.configure_runtime` turns both flags on for every CUDA run and "
-             "no flag turns them off, so a true fp32 baseline needs your own script that sets "
-             "`torch.backends.cudnn.allow_tf32 = False` and `torch.backends.cuda.matmul.allow_tf32 = False` after "
-             "`configure_runtime`.")
+    tools = _say("tf32_tools")
     if capability and capability >= (8, 0):
-        return "This GPU has TF32 tensor cores and the flags are on: the \"fp32\" rows below are TF32. " + tools
+        return _say("tf32_on", tools=tools)
     if capability:
-        return "This GPU predates Ampere: it has no TF32, so the flags change nothing and \"fp32\" is fp32."
-    return ("No GPU: the TF32 flags mean nothing to a CPU, and `configure_runtime` leaves them as PyTorch sets them, "
-            "so \"fp32\" below is fp32. On an Ampere or later GPU the same cell shows them on, and the fp32 rows are "
-            "TF32. " + tools)
+        return _say("tf32_none")
+    return _say("tf32_cpu", tools=tools)
 
 
 def first_run(ap50: float, losses: list[float]) -> dict:
     """Chapter 10: what a short run reached. `learned`: a sentence on its mask AP50; `trend`: the
     logged loss's last value against its first, "still falling" only when it fell."""
-    if ap50 <= 0.0:
-        learned = "The masks it predicts do not yet match any object: the model has not learned to segment yet"
-    elif ap50 < 0.5:
-        learned = "That is a model that has started to learn"
-    else:
-        learned = "The model already segments most shapes"
+    learned = _say("learned_nothing" if ap50 <= 0.0 else "learned_started" if ap50 < 0.5 else "learned_most")
     fell = losses[-1] < losses[0]
-    trend = (f"the loss {'still falling' if fell else 'no lower than where it began'} (last logged {losses[-1]:.2f}, "
-             f"against {losses[0]:.2f} at the first log)")
+    trend = _say("trend", how=_say("still_falling" if fell else "not_lower"), last=losses[-1], first=losses[0])
     return {"learned": learned, "trend": trend, "fell": fell}

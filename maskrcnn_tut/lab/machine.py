@@ -4,24 +4,50 @@
 - `versions()`, `provenance(command)`: the software stack, and what every results file records
   (hardware, versions, date, command).
 - `environment_report()`: chapter 2's table (interconnect included, read through `gpus`).
+- `in_english()`: a block whose words are English whatever the book's language (what is recorded).
+
+Labels and table values are in the book's language (`wording`); what a results file or the bench
+cache records (`provenance`) is English, so both editions share one cache and one file format.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import platform
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..hardware import (
     cgroup_cpu_limit,
-    cpu_has_bf16,
-    cpu_model,
     gpu_count,
+    proc_status_kib,
     ram_gb,
     usable_cores,
 )
+from . import wording
 from .gpus import nvlink_links
+
+
+def _say(entry: str, **values) -> str:
+    return wording.say(f"machine.{entry}", **values)
+
+
+def _term(text: str) -> str:
+    return wording.term(text)
+
+
+@contextlib.contextmanager
+def in_english():
+    """Inside the block `wording` words everything in English: for what is recorded, not shown."""
+    lang = wording.language()
+    wording.set_language("en")
+    try:
+        yield
+    finally:
+        wording.set_language(lang)
 
 
 def hardware() -> dict[str, Any]:
@@ -36,15 +62,15 @@ def hardware_label() -> str:
     hw = hardware()
     if hw["gpus"]:
         return " + ".join(f"{hw['gpus'].count(n)}x {n}" for n in sorted(set(hw["gpus"])))
-    return f"{hw['cores']}-core {hw['cpu']} (no GPU)"
+    return _say("label_cpu", cores=hw["cores"], cpu=hw["cpu"])
 
 
 def cudnn_version() -> str:
     if not torch.backends.cudnn.is_available():
-        return "not available"
+        return _term("not available")
     number = torch.backends.cudnn.version()  # major * 10000 + minor * 100 + patch (cuDNN 9)
-    usable = "" if torch.cuda.is_available() else " (in the wheel; unused without a GPU)"
-    return f"{number // 10000}.{number % 10000 // 100}.{number % 100}{usable}"
+    version = f"{number // 10000}.{number % 10000 // 100}.{number % 100}"
+    return version if torch.cuda.is_available() else _say("cudnn_unused", version=version)
 
 
 def versions() -> dict[str, str | None]:
@@ -56,40 +82,98 @@ def versions() -> dict[str, str | None]:
 
 
 def provenance(command: str) -> dict[str, Any]:
-    """Where and how a result was measured: hardware, software versions, date and command."""
+    """Where and how a result was measured: hardware, software versions, date and command (in English)."""
     hw = hardware()
-    return {"hardware": hardware_label(), "cpu": hw["cpu"], "cores": hw["cores"], "ram_gb": hw["ram_gb"],
-            "gpus": hw["gpus"], "gpu_count": len(hw["gpus"]), "gpu_memory_gb": hw["gpu_memory_gb"],
-            "cpu_bf16": cpu_has_bf16(), **versions(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": command}
+    with in_english():
+        return {"hardware": hardware_label(), "cpu": hw["cpu"], "cores": hw["cores"], "ram_gb": hw["ram_gb"],
+                "gpus": hw["gpus"], "gpu_count": len(hw["gpus"]), "gpu_memory_gb": hw["gpu_memory_gb"],
+                "cpu_bf16": cpu_has_bf16(), **versions(),
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "command": command}
 
 
 def environment_report() -> list[dict[str, str]]:
-    """Chapter 2's report: hardware, GPU interconnect and the versions of the software stack."""
+    """Chapter 2's report: hardware, GPU interconnect and the versions of the software stack. The
+    first column names each row in English (code reads rows by it; the book shows it translated),
+    the second is in the book's language."""
     hw = hardware()
     quota = cgroup_cpu_limit()
-    rows = [("CPU", f"{hw['cpu']}; {hw['cores']} usable cores"
-                    + (f" (cgroup quota {quota:g} CPUs)" if quota is not None else "")
-                    + f"; vector ISA {torch.backends.cpu.get_cpu_capability()}"),
-            ("RAM", f"{hw['ram_gb']:.1f} GB" if hw["ram_gb"] else "unknown"),
+    isa = torch.backends.cpu.get_cpu_capability()
+    rows = [("CPU", _say("cpu_row", cpu=hw["cpu"], cores=hw["cores"], isa=isa) if quota is None else
+             _say("cpu_row_quota", cpu=hw["cpu"], cores=hw["cores"], quota=quota, isa=isa)),
+            ("RAM", f"{hw['ram_gb']:.1f} GB" if hw["ram_gb"] else _term("unknown")),
             ("GPUs", ", ".join(f"{n} ({m:.0f} GB)" for n, m in zip(hw["gpus"], hw["gpu_memory_gb"]))
-             or "none visible")]
+             or _term("none visible"))]
     count = len(hw["gpus"])
     if count > 1:
         pairs = [(i, j) for i in range(count) for j in range(count) if i != j]
         peer = sum(torch.cuda.can_device_access_peer(i, j) for i, j in pairs)
-        rows.append(("P2P access", f"{peer} of {len(pairs)} GPU pairs can read each other's memory directly"))
+        rows.append(("P2P access", _say("p2p", peer=peer, pairs=len(pairs))))
     if count:
         links = nvlink_links(range(count))
-        rows.append(("NVLink", "unknown (NVML unavailable)" if links is None
-                     else ", ".join(f"GPU{i}: {n} active links" for i, n in enumerate(links))))
+        rows.append(("NVLink", _term("unknown (NVML unavailable)") if links is None
+                     else ", ".join(_say("nvlink", gpu=i, links=n) for i, n in enumerate(links))))
     v = versions()
     rows += [("Python", v["python"]),
              ("PyTorch / torchvision", f"{v['torch']} / {v['torchvision']}"),
-             ("CUDA (the wheel's runtime)", torch.version.cuda or "CPU-only build"),
+             ("CUDA (the wheel's runtime)", torch.version.cuda or _term("CPU-only build")),
              ("cuDNN", cudnn_version()),
-             ("NCCL", v["nccl"] or "not used (no GPU)"),
+             ("NCCL", v["nccl"] or _term("not used (no GPU)")),
              ("distributed backends", ", ".join(b for b in ("gloo", "nccl", "mpi")
                                                 if getattr(torch.distributed, f"is_{b}_available")()))]
     return [{"": name, "this machine": value} for name, value in rows]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def current_memory_mb(device: torch.device) -> float:
+    """Memory in use now: CUDA tensors on the GPU, else this process's resident set size (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    rss = proc_status_kib("VmRSS")
+    if rss is None:
+        raise RuntimeError("current_memory_mb needs Linux's /proc/self/status on a CPU")
+    return rss / 1024
+
+
+def device_memory_mb(device: torch.device) -> float | None:
+    """Memory of the device: the GPU's total, or the machine's physical RAM (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**20
+    total = ram_gb()
+    return total * 1024 if total else None
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: the CUDA allocator's peak, or this process's resident high-water mark.
+
+    On CPU, freed heap memory is first handed back to the OS (glibc `malloc_trim`) and Linux's
+    VmHWM is reset through /proc/self/clear_refs; where either is missing the peak keeps counting
+    from the process start.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def cpu_has_bf16() -> bool | None:
+    """Whether the CPU has bfloat16 instructions (AVX512-BF16 or AMX); None when unknown."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))

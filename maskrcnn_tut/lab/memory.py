@@ -31,12 +31,13 @@ from .. import distributed as du
 from ..config import Config, derive, make_config
 from ..data.loader import to_device
 from ..engine import autocast, autocast_dtype, build_optimizer
-from ..hardware import current_memory_mb, peak_memory_mb, reset_peak_memory
+from ..hardware import peak_memory_mb
 from ..model import build_model
 from .bench.harness import environment
 from .bench.results import BenchResult, python_call, register_plot
+from .bench.shown import english, register_catalog, shown, term
 from .gpus import releases_gpu_cache
-from .machine import provenance
+from .machine import current_memory_mb, provenance, reset_peak_memory
 from .rig import Rig, build_rig, synthetic_batches
 from .synthetic import synthetic_batch
 
@@ -45,6 +46,8 @@ MIB = 2**20
 ARTICLE_GPU_GB = 11.0
 #: Keep tensors above 64 KiB out of glibc's heap so a CPU process's RSS follows its live tensors.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+#: Titles and notes are stored in English (`english`) and shown in the book's language (`shown`).
+register_catalog("memory")
 
 
 @dataclass
@@ -197,19 +200,13 @@ def memory_table(preset: str = "gpu-r50", image_sizes: tuple[int, ...] = (256, 5
             row["fits"] = "yes" if row["total MiB"] < 0.9 * gpu_memory_gb * 1024 else "no"
             row["activations"] = "counted" if size in measured else "extrapolated"
             rows.append(row)
-    notes = [
-        f"{cfg.preset}: {cfg.backbone}-FPN, {fixed.autocast} autocast, {cfg.optimizer} optimizer; parameters, "
-        "gradients and optimizer state are exact; activations are the tensors autograd saves for backward, "
-        f"counted at {', '.join(f'{s} px' for s in measured)} (batch 1) on {device.type} and scaled by the batch.",
-        f"Per image, activations ~ {intercept:.0f} MiB + {slope * 1e6:.0f} MiB per megapixel; rows marked "
-        "'extrapolated' use that fit.",
-        f"fits: total below 90 % of a {gpu_memory_gb:g} GB GPU (the article's RTX 2080 Ti has 11 GB). A GPU also "
-        "holds the CUDA context and cuDNN workspaces (several hundred MiB more).",
-    ]
+    notes = [english("memory.counted", preset=cfg.preset, backbone=cfg.backbone, autocast=fixed.autocast,
+                     optimizer=cfg.optimizer, sizes=", ".join(f"{s} px" for s in measured), device=device.type),
+             english("memory.fit", intercept=intercept, slope=slope * 1e6),
+             english("memory.fits", gb=gpu_memory_gb)]
     if device.type != "cuda" and not cfg.amp:
-        notes.append("Counted without autocast on this CPU; with the preset's float16 autocast a GPU keeps many "
-                     "activations in half the bytes: run memory_table on a GPU for those figures.")
-    result = BenchResult("memory", f"Training memory by image size and batch ({cfg.backbone}-FPN)", rows,
+        notes.append(english("memory.cpu_fp32"))
+    result = BenchResult("memory", english("memory.title_table", backbone=cfg.backbone), rows,
                          ["image size", "batch", "parameters MiB", "gradients MiB", "optimizer MiB",
                           "activations MiB", "total MiB", "fits", "activations"], notes,
                          provenance(python_call("memory.memory_table", preset=preset, image_sizes=image_sizes,
@@ -228,12 +225,12 @@ def plot_memory_table(result: BenchResult):
     bottom = [0.0] * len(labels)
     for part in parts:
         values = [row[part] / 1024 for row in result.rows]
-        ax.bar(labels, values, bottom=bottom, label=part.replace(" MiB", ""))
+        ax.bar(labels, values, bottom=bottom, label=term(part.replace(" MiB", "")))
         bottom = [b + v for b, v in zip(bottom, values)]
     limit = result.provenance.get("gpu_memory_gb_compared")
     if limit:
         ax.axhline(limit, color="tab:red", linestyle="--", label=f"{limit:g} GB GPU")
-    ax.set(ylabel="GiB", title=f"{result.title}\n{result.provenance.get('hardware', '')}")
+    ax.set(ylabel="GiB", title=f"{shown(result.title)}\n{shown(result.provenance.get('hardware', ''))}")
     ax.tick_params(axis="x", rotation=60)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
@@ -335,14 +332,11 @@ def bytes_per_parameter(preset: str = "gpu-r50", image_size: int = 96,
                      "as derived": all(abs(per_param[p] - derived[p]) < 0.01 for p in derived),
                      "gradient dtype": step["gradient dtype"],
                      "autocast": str(autocast_dtype(cfg)).replace("torch.", "") if amp else "off"})
-    notes = [f"{preset}: {base.backbone}-FPN, {count:,} parameters; derived MiB = bytes per parameter x that count. "
-             "Measured: the weights and gradients after one real forward and backward on "
-             f"{device.type} ({image_size} px, batch 1), and each optimizer's state after its first step().",
-             "AMP keeps the fp32 weights, and so fp32 gradients and optimizer state: the fixed part does not "
-             "shrink (`autocast_activations` shows what does)."]
+    notes = [english("memory.derived", preset=preset, backbone=base.backbone, count=count, device=device.type,
+                     size=image_size), english("memory.amp_fixed")]
     columns = ["recipe", "weights B", "gradients B", "optimizer state B", "fixed B/param", "derived MiB",
                "measured MiB", "as derived", "gradient dtype", "autocast"]
-    result = BenchResult("bytes_per_parameter", f"Bytes per parameter, derived and measured ({base.backbone}-FPN)",
+    result = BenchResult("bytes_per_parameter", english("memory.title_bytes", backbone=base.backbone),
                          rows, columns, notes, provenance(python_call("memory.bytes_per_parameter", preset=preset,
                                                                        image_size=image_size)))
     result.provenance["parameters"] = count
@@ -368,10 +362,10 @@ def autocast_activations(preset: str = "gpu-r50", image_sizes: tuple[int, ...] =
         model.transform.min_size, model.transform.max_size = (size,), size  # resize to this size, as _sized
         fp32, amp = (_activations(model, *synthetic_batch(size, 1), _derived(_recipe(base, on, size), device),
                                   device)[0] for on in (False, True))
-        rows.append({"image size": size, "fp32 MiB": fp32, "autocast MiB": amp, "activations": "counted"})
+        rows.append({"image size": size, "fp32 MiB": fp32, "autocast MiB": amp, "activations": term("counted")})
     first, last = rows[0], rows[-1]
     for size in extrapolate_to:
-        row = {"image size": size, "activations": "extrapolated"}
+        row = {"image size": size, "activations": term("extrapolated")}
         for key in ("fp32 MiB", "autocast MiB"):
             slope = (last[key] - first[key]) / (last["image size"] ** 2 - first["image size"] ** 2)
             row[key] = first[key] + slope * (size ** 2 - first["image size"] ** 2)

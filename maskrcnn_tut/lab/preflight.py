@@ -13,6 +13,8 @@ big enough, can the processes talk fast enough, is every GPU healthy, and what t
   collective, the others wait in it) and each rank's Python stack read from outside: with
   `py-spy dump --pid PID` where py-spy is installed, else with `faulthandler` through a signal.
   `classify_stack(text)` says which rank stalls and which wait.
+
+What the checks and the hang's summary say comes from `prose/preflight.json`, in the book's language.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from maskrcnn_tut.lab import processes
+from maskrcnn_tut.lab import processes, wording
 
 from .. import distributed as du
 from ..hardware import gpu_count
@@ -42,33 +44,14 @@ MIN_SHM_MB = 1024
 #: Docker's default /dev/shm.
 DOCKER_DEFAULT_SHM_MB = 64
 
-NCCL_VARIABLES = [
-    {"variable": "NCCL_DEBUG=INFO", "what it does": "NCCL prints its setup: the transport between every pair of "
-     "GPUs (P2P/NVLink, SHM, NET/IB, NET/Socket), the network interface and rings it chose, and the cause of an "
-     "error", "when": "first thing on any NCCL error or hang; NCCL_DEBUG_SUBSYS=INIT,NET narrows it"},
-    {"variable": "NCCL_SOCKET_IFNAME=eth0", "what it does": "the network interface NCCL's sockets (and its "
-     "bootstrap) use; a prefix, or ^docker,lo to exclude", "when": "multi-node jobs that pick a docker bridge or "
-     "loopback and hang at the first collective"},
-    {"variable": "NCCL_IB_DISABLE=1", "what it does": "do not use InfiniBand / RoCE; fall back to TCP sockets",
-     "when": "to test whether a hang is the IB fabric's (slower, but it runs)"},
-    {"variable": "NCCL_P2P_DISABLE=1", "what it does": "no direct GPU-to-GPU copies (NVLink, PCIe P2P); go "
-     "through host memory", "when": "GPUs behind a PCIe switch or in a VM whose P2P is broken: wrong results or "
-     "hangs that go away with it"},
-    {"variable": "TORCH_NCCL_ASYNC_ERROR_HANDLING=3", "what it does": "what torch's watchdog does when a collective "
-     "fails or times out: 3 (the default) ends the process, 1 also aborts the NCCL communicator first, 0 does "
-     "nothing (the job waits forever)", "when": "never 0: a failed rank must end the job, so torchrun can restart it"},
-    {"variable": "TORCH_NCCL_BLOCKING_WAIT=1", "what it does": "each collective waits on the host and raises after "
-     "the process group's timeout, naming the collective", "when": "debugging: a clear exception where the async "
-     "watchdog only logs; slower, not for production"},
-    {"variable": "TORCH_NCCL_TRACE_BUFFER_SIZE=2000", "what it does": "each rank records its last collectives (the "
-     "flight recorder); with TORCH_NCCL_DUMP_ON_TIMEOUT=1 they are written out when the watchdog times out",
-     "when": "a hang on many ranks: compare which collective each rank reached"},
-    {"variable": "TORCH_NCCL_DESYNC_DEBUG=1", "what it does": "on a timeout, torch reports which rank(s) had not "
-     "joined the collective", "when": "to name the culprit rank of a collective desync"},
-    {"variable": "TORCH_DISTRIBUTED_DEBUG=DETAIL", "what it does": "torch checks that every rank calls the same "
-     "collectives with the same shapes, and logs DDP's unused parameters", "when": "a hang that is a mismatch "
-     "(one rank skipped a collective or called it with another shape)"},
-]
+#: What each does and when to use it: entries `does_<NAME>` and `when_<NAME>` of `prose/preflight.json`.
+NCCL_VARIABLES = ["NCCL_DEBUG=INFO", "NCCL_SOCKET_IFNAME=eth0", "NCCL_IB_DISABLE=1", "NCCL_P2P_DISABLE=1",
+                  "TORCH_NCCL_ASYNC_ERROR_HANDLING=3", "TORCH_NCCL_BLOCKING_WAIT=1",
+                  "TORCH_NCCL_TRACE_BUFFER_SIZE=2000", "TORCH_NCCL_DESYNC_DEBUG=1", "TORCH_DISTRIBUTED_DEBUG=DETAIL"]
+
+
+def _say(entry: str, **values) -> str:
+    return wording.say(f"preflight.{entry}", **values)
 
 
 # --------------------------------------------------------------------------- /dev/shm
@@ -80,24 +63,17 @@ def shm_report(path: str | Path = "/dev/shm") -> dict:
         stats = os.statvfs(path)
     except OSError as err:
         return {"path": str(path), "ok": None, "total MiB": None, "free MiB": None,
-                "finding": f"{path} is not there ({err.strerror}): PyTorch's DataLoader workers cannot share "
-                           "batches through it and NCCL cannot use its shared-memory transport",
-                "fix": shm_fix()}
+                "finding": _say("shm_missing", path=path, error=err.strerror), "fix": shm_fix()}
     total, free = stats.f_blocks * stats.f_frsize / 2**20, stats.f_bavail * stats.f_frsize / 2**20
     ok = total >= MIN_SHM_MB
-    finding = (f"{path} has {total:.0f} MiB ({free:.0f} free)" + (
-        "" if ok else f": too small (Docker's default is {DOCKER_DEFAULT_SHM_MB} MB); DataLoader workers fail with "
-        "'unexpected bus error encountered in worker. This might be caused by insufficient shared memory (shm)', "
-        "NCCL with 'unhandled system error' (NCCL_DEBUG=INFO: 'failed to extend /dev/shm/nccl-...') or a hang"))
+    finding = _say("shm_size", path=path, total=total, free=free) + (
+        "" if ok else _say("shm_too_small", docker=DOCKER_DEFAULT_SHM_MB))
     return {"path": str(path), "ok": ok, "total MiB": total, "free MiB": free, "finding": finding,
             "fix": "" if ok else shm_fix()}
 
 
 def shm_fix() -> str:
-    return ("give the container more: `docker run --shm-size=16g` (or `--ipc=host`); in Kubernetes mount a "
-            "memory-backed emptyDir at /dev/shm (`volumes: [{name: dshm, emptyDir: {medium: Memory, sizeLimit: "
-            "16Gi}}]`, `volumeMounts: [{name: dshm, mountPath: /dev/shm}]`); until then `--workers 0` keeps the "
-            "loader out of it and NCCL_SHM_DISABLE=1 keeps NCCL out of it (both slower)")
+    return _say("shm_fix")
 
 
 def shm_needed_mb(batch_mb: float, workers: int, prefetch_factor: int = 2, processes: int = 1) -> float:
@@ -107,9 +83,12 @@ def shm_needed_mb(batch_mb: float, workers: int, prefetch_factor: int = 2, proce
 
 
 def nccl_environment(environ: dict | None = None) -> list[dict]:
-    """`NCCL_VARIABLES` with the value each has in this process (or `environ`), "" when unset."""
+    """`NCCL_VARIABLES`, what each does and when to use it, and the value each has in this process
+    (or `environ`), "" when unset."""
     environ = os.environ if environ is None else environ
-    return [{**row, "set here": environ.get(row["variable"].split("=")[0], "")} for row in NCCL_VARIABLES]
+    return [{"variable": variable, "what it does": _say(f"does_{variable.split('=')[0]}"),
+             "when": _say(f"when_{variable.split('=')[0]}"), "set here": environ.get(variable.split("=")[0], "")}
+            for variable in NCCL_VARIABLES]
 
 
 # --------------------------------------------------------------------------- the checks together
@@ -125,24 +104,21 @@ def preflight(nprocs: int | None = None, sizes_mb: tuple[float, ...] = (1.0, 16.
     shm = shm_report()
     checks = [{"check": "/dev/shm", "ok": shm["ok"], "finding": shm["finding"], "what to do": shm["fix"]}]
     set_here = [row["variable"].split("=")[0] + "=" + row["set here"] for row in nccl_environment() if row["set here"]]
-    checks.append({"check": "NCCL / torch variables", "ok": True,
-                   "finding": ", ".join(set_here) or "none set (NCCL picks its transports itself)",
-                   "what to do": "NCCL_DEBUG=INFO on the first failure"})
+    checks.append({"check": wording.term("NCCL / torch variables"), "ok": True,
+                   "finding": ", ".join(set_here) or _say("none_set"), "what to do": _say("debug_first")})
     bandwidth = processes.launch(allreduce_bandwidth, nprocs, sizes_mb, backend=backend, timeout_s=120)
     top = max(bandwidth, key=lambda row: row["MB"])
-    checks.append({"check": f"all-reduce over {nprocs} processes ({top['backend']})", "ok": True,
-                   "finding": f"{top['MB']:g} MB in {top['ms']:.1f} ms: {top['bus GB/s']:.2f} GB/s bus bandwidth",
-                   "what to do": "compare with the link: NVLink ~300 GB/s, PCIe ~25, InfiniBand ~25-50 per node; "
-                                 "far below on GPUs: NCCL_DEBUG=INFO shows which transport it took"})
+    checks.append({"check": _say("allreduce_check", processes=nprocs, backend=top["backend"]), "ok": True,
+                   "finding": _say("allreduce_finding", mb=top["MB"], ms=top["ms"], bandwidth=top["bus GB/s"]),
+                   "what to do": _say("allreduce_advice")})
     health = gpu_health()
     if health:
         bad = [row for row in health if not row["ok"]]
-        checks.append({"check": f"{len(health)} GPU(s)", "ok": not bad,
-                       "finding": "; ".join(f"GPU {r['gpu']}: {r['finding']}" for r in bad) or "all healthy",
-                       "what to do": "" if not bad else "move the job off a GPU with ECC errors or throttling"})
+        checks.append({"check": _say("gpus_check", gpus=len(health)), "ok": not bad,
+                       "finding": "; ".join(f"GPU {r['gpu']}: {r['finding']}" for r in bad) or _say("all_healthy"),
+                       "what to do": "" if not bad else _say("move_off")})
     else:
-        checks.append({"check": "GPUs", "ok": None, "finding": "no NVIDIA GPU visible (nothing to check)",
-                       "what to do": ""})
+        checks.append({"check": wording.term("GPUs"), "ok": None, "finding": _say("no_gpu"), "what to do": ""})
     return checks, bandwidth, health
 
 
@@ -288,9 +264,8 @@ def hang_summary(diagnosis: dict) -> list[str]:
     lines = []
     for rank in diagnosis["ranks"]:
         if rank["waiting in a collective"]:
-            lines.append(f"rank {rank['rank']}: waits in {rank['collective']} (called from {rank['function']} in "
-                         f"{rank['file']}): a victim, waiting for a rank that has not arrived")
+            lines.append(_say("victim", rank=rank["rank"], collective=rank["collective"], function=rank["function"],
+                              file=rank["file"]))
         else:
-            lines.append(f"rank {rank['rank']}: in {rank['function']} ({rank['file']}), in no collective: the rank "
-                         "that holds everyone up; look here")
+            lines.append(_say("culprit", rank=rank["rank"], function=rank["function"], file=rank["file"]))
     return lines

@@ -13,6 +13,9 @@ a verdict from `wording`; the chapter keeps only its sentences. Nothing here mea
 - `straggler_answer(per_process, threshold, processes)`, `straggler_words(...)`: what StragglerCheck
   names, predicted and measured (chapter 9); `no_sync_check_words(gpus)`: where chapter 7's check ran.
 - `table_verdicts(speed)`: sentences about a speed table, as far as its spread allows (chapters 4, 8, 9).
+
+The sentences are entries of `prose/scale_findings.json`, in the book's language (`wording.say`);
+row labels and notes a benchmark stored in English are shown through `bench.shown`.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from . import wording
 from .bench import interval, machine_busy, spread_text
 from .bench.projection import devices_used
 from .bench.results import row_label
+from .bench.shown import shown
 from .wording import FASTER, NO_SPREAD, SLOWER, WITHIN_NOISE
 
 #: The verdict of a scaling figure measured while other work kept the machine busy.
@@ -129,36 +133,26 @@ def straggler_words(found: dict, balanced: dict, threshold: float, processes: in
     share one device, so each one's forward time includes the other's work."""
     even = ", ".join(map(str, balanced["batch per rank"]))
     needed = straggler_answer(1, threshold, processes)["needed"]
+    ratio = found["forward ratio"]
     if not found["warned"]:
-        said = (f"StragglerCheck stayed quiet: the slowest forward was {found['forward ratio']:.1f} times the "
-                f"fastest, and with {processes} processes it names a rank only beyond {needed:.1f} times the others.")
-    elif found["balanced warned"]:
-        said = (f"StragglerCheck named the slow process, and warned in the balanced run ({even} images) too: equal "
-                "batches are not equal work when the images differ in size or the processes share hardware.")
+        said = _say("straggler_quiet", ratio=ratio, processes=processes, needed=needed)
     else:
-        said = (f"StragglerCheck named the slow process, whose forward took {found['forward ratio']:.1f} times as long "
-                f"as the fastest's; with equal batches ({even} images) it stayed quiet.")
+        said = _say("straggler_both" if found["balanced warned"] else "straggler_named", even=even, ratio=ratio)
     if processes == 2:
-        said += (f" With two processes the median is their mean, so a rank must be {needed:.1f} times slower than "
-                 f"the other to cross its {threshold:g}x threshold.")
-    if gpus == 1:
-        said += (" Both processes ran on this machine's one GPU, so each forward time includes waiting for the other "
-                 "process's kernels: on a machine with a GPU per process the gap is the work alone.")
-    elif gpus == 0:
-        said += " The processes ran on CPU cores of one machine; on GPUs each process has a device of its own."
+        said += _say("straggler_two", needed=needed, threshold=threshold)
+    if gpus in (0, 1):
+        said += _say("straggler_cpu" if gpus == 0 else "straggler_one_gpu")
     return said
 
 
 def no_sync_check_words(gpus: int) -> str:
     """Where chapter 7's two-process `no_sync` check ran (`proofs.ddp_accumulation_check` puts its toy
     model on each process's device, rank r on GPU r % gpus, and the chapter asks for gloo)."""
-    if gpus == 0:
-        return "The two processes ran on CPU cores, with gloo."
-    if gpus == 1:
-        return ("Both processes put their toy model on this machine's one GPU, and gloo all-reduced the CUDA "
-                "gradients through host memory (nccl refuses two processes on one GPU).")
-    return ("Each process put its toy model on a GPU of its own, and gloo all-reduced the CUDA gradients through "
-            "host memory; training uses nccl, and the count of all-reduces does not depend on the backend.")
+    return _say("no_sync_cpu" if gpus == 0 else "no_sync_one_gpu" if gpus == 1 else "no_sync_gpus")
+
+
+def _say(entry: str, **values) -> str:
+    return wording.say(f"scale_findings.{entry}", **values)
 
 
 def _pct(value: float) -> str:
@@ -179,54 +173,42 @@ def table_verdicts(speed) -> dict[str, str]:
         return WITHIN_NOISE if out["busy"] and found != NO_SPREAD else found
 
     if ddp is None:
-        out["result"] = ("This machine has a single device, so its table has no DDP row (DDP needs at least two) and "
-                         "no speedup to set beside the article's.")
+        out["result"] = _say("no_ddp")
     else:
-        out["result"] = (f"Here {ddp['setup']} reached {spread_text(ddp)} the speed of {base['setup']}, a scaling "
-                         f"efficiency of {_pct(ddp['scaling efficiency'])}.")
+        out["result"] = _say("result", ddp=shown(ddp["setup"]), speed=spread_text(ddp), base=shown(base["setup"]),
+                             efficiency=_pct(ddp["scaling efficiency"]))
         n = devices_used(ddp)
         if wording.compare_to(ddp, 1.0).verdict == WITHIN_NOISE:
-            out["result"] += f" Its range includes 1x: whether DDP was faster at all is {wording.words(WITHIN_NOISE)}."
+            out["result"] += _say("includes_one", within=wording.words(WITHIN_NOISE))
         elif (wording.compare_to(ddp, float(n)).verdict == FASTER
               or (interval(ddp, "speedup") is None and ddp["speedup"] > 1.02 * n)):
-            out["result"] += (f" That is more than {n} devices' worth, which the same work split {n} ways cannot do: "
-                              "the rows ran at different moments of a machine busy with other work (the baseline at "
-                              "a slow one), so this table cannot tell how DDP scales here.")
+            out["result"] += _say("superlinear", n=n)
     if out["busy"]:
-        out["result"] = (out["result"] + " " + out["busy"]).strip()
+        out["result"] = (out["result"] + _say("sep") + shown(out["busy"])).strip()
     ceiling = speed.row(f"{devices_used(ddp)} processes without") if ddp else None
     if ddp and ceiling:
-        gap = 1 - ddp["img/s"] / ceiling["img/s"]
-        said = f"The same processes without the gradient all-reduce reached {spread_text(ceiling)}"
-        out["allreduce"] = said + wording.pick(
-            verdict(ddp, ceiling),
-            within_noise=": " + ("measured on a busy machine, so what the all-reduce cost cannot be told." if out["busy"]
-                                 else f"{wording.noise()}, so the all-reduce cost nothing measurable here."),
-            slower=f": DDP's whole range lies below, so here the all-reduce cost about {_pct(gap)} of the speed.",
-            faster=", below DDP's range, which only noise can do (skipping work cannot be slower).",
-            no_spread=f" ({_pct(gap)} more than DDP; no spread was recorded, so whether that is noise cannot be told).")
+        gap = _pct(1 - ddp["img/s"] / ceiling["img/s"])
+        out["allreduce"] = _say("allreduce", speed=spread_text(ceiling)) + wording.pick(
+            verdict(ddp, ceiling), within_noise=_say("allreduce_busy") if out["busy"] else
+            _say("allreduce_within_noise", noise=wording.noise()), slower=_say("allreduce_slower", gap=gap),
+            faster=_say("allreduce_faster"), no_spread=_say("allreduce_no_spread", gap=gap))
     threads = [row for row in measured if (row.get("threads/process") or 0) > (base.get("threads/process") or 0)
                and row.get("processes") == 1]
     if ddp and threads:
         other = max(threads, key=lambda row: row["threads/process"])
-        out["threads"] = (f"One process with {other['threads/process']} threads reached {spread_text(other)}: "
-                          + wording.pick(verdict(ddp, other),
-                                         faster="DDP's processes beat the same cores used as threads of one process.",
-                                         slower="faster than DDP's processes here.",
-                                         within_noise=f"{wording.words(WITHIN_NOISE, 'DDP')}.",
-                                         no_spread="compare it with DDP's figure (no spread recorded)."))
+        out["threads"] = _say("threads", threads=other["threads/process"], speed=spread_text(other)) + wording.pick(
+            verdict(ddp, other), faster=_say("threads_faster"), slower=_say("threads_slower"),
+            within_noise=_say("threads_within_noise", words=wording.words(WITHIN_NOISE, "DDP")),
+            no_spread=_say("threads_no_spread"))
     dp = speed.row("DP")
     if dp is None:
         unmeasured = next((row for row in speed.rows if row_label(row).startswith("DP")), None)
-        out["dp"] = ("There is no DP row: " + (unmeasured or {}).get("note", "DataParallel was not measured") +
-                     ". DataParallel drives several GPUs from one process, so it needs at least two.")
+        note = (unmeasured or {}).get("note")
+        out["dp"] = _say("no_dp", note=_say("dp_not_measured") if note is None else shown(note))
     elif ddp:
-        out["dp"] = (f"At the same {devices_used(ddp)} GPUs, DataParallel reached {spread_text(dp)} and DDP "
-                     f"{spread_text(ddp)}: " + wording.pick(verdict(ddp, dp),
-                                                            faster="DDP was faster, with the method the only difference.",
-                                                            slower="DataParallel was faster here.",
-                                                            within_noise=f"{wording.noise()}.",
-                                                            no_spread="no spread was recorded."))
-    out["memory"] = "; ".join(f"{row['setup']}: {row['peak MiB/device']:.0f} MiB per device, {row['total MiB']:.0f} "
-                              "MiB in all" for row in measured)
+        out["dp"] = _say("dp", devices=devices_used(ddp), dp=spread_text(dp), ddp=spread_text(ddp)) + wording.pick(
+            verdict(ddp, dp), faster=_say("dp_faster"), slower=_say("dp_slower"),
+            within_noise=_say("dp_within_noise", noise=wording.noise()), no_spread=_say("dp_no_spread"))
+    out["memory"] = _say("memory_sep").join(_say("memory", setup=shown(row["setup"]), device=row["peak MiB/device"],
+                                                 total=row["total MiB"]) for row in measured)
     return out

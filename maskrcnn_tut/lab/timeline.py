@@ -15,6 +15,9 @@
 - `shape_census(cfg, steps)`: the distinct input shapes the backbone and the mask head meet over
   real training steps (forward pre-hooks): cudnn.benchmark autotunes once per new shape (ch. 6).
 - `mask_head_bound(cfg)`: the most shapes the mask head can ever meet, so autotuning's bound.
+
+Plot labels, default timeline labels and `accumulation_plan`'s sentence are in the book's language
+(`wording`); the part a peak falls in stays an English name (`peak[3] == "backward"`), shown translated.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from ..config import Config
 from .bench.harness import multiscale_sizes
 from .memory import breakdown
 from .rig import build_rig, synthetic_batches
+from .wording import say, term
 
 MIB = 2**20
 #: Parts of torchvision's Mask R-CNN, in forward order, that name where the saved tensors come from.
@@ -91,7 +95,8 @@ def memory_timeline(cfg: Config, batch_size: int, accum_steps: int = 1, amp_dtyp
     optimizer_mb = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                        if torch.is_tensor(t)) / MIB
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    timeline = MemoryTimeline(label or f"batch {batch_size} x accum {accum_steps}, {cfg.precision}", batch_size,
+    timeline = MemoryTimeline(label or say("timeline.label", batch=batch_size, accum=accum_steps, precision=cfg.precision),
+                              batch_size,
                               accum_steps, cfg.precision, sum(p.numel() * p.element_size() for p in model.parameters()) / MIB,
                               optimizer_mb)
     state = {"saved": 0, "grads": 0, "part": "start", "packs": {}, "unpacks": {}, "sizes": {}, "with_grad": set()}
@@ -170,19 +175,19 @@ def plot_memory_timelines(timelines: list[MemoryTimeline], title: str, hardware:
         ts = [p[0] for p in timeline.points]
         layers = [[timeline.parameters_mb] * len(ts), [timeline.optimizer_mb] * len(ts), [p[2] for p in timeline.points],
                   [p[1] for p in timeline.points]]
-        ax.stackplot(ts, *layers, step="post", labels=["parameters", "optimizer state", "gradients",
-                                                         "saved for backward"],
+        ax.stackplot(ts, *layers, step="post", labels=[term(name) for name in ("parameters", "optimizer state",
+                                                                                  "gradients", "saved for backward")],
                      colors=["#bdbdbd", "#9e9ac8", "#fd8d3c", "#6baed6"])
         peak = timeline.peak
         ax.axhline(timeline.peak_mb, color="black", lw=0.8, ls="--")
-        ax.annotate(f"peak {timeline.peak_mb:.0f} MiB\n({peak[3]})", (peak[0], timeline.peak_mb), fontsize=7,
+        ax.annotate(say("timeline.peak", mb=timeline.peak_mb, part=term(peak[3])), (peak[0], timeline.peak_mb), fontsize=7,
                     xytext=(0.5, 0.97), textcoords="axes fraction", ha="center", va="top",
                     arrowprops=dict(arrowstyle="->", lw=0.7))
-        ax.set(title=timeline.label, xlabel="ms into the step")
+        ax.set(title=term(timeline.label), xlabel=term("ms into the step"))
         ax.grid(alpha=0.3)
-    axes[0, 0].set_ylabel("MiB held")
+    axes[0, 0].set_ylabel(term("MiB held"))
     axes[0, 0].legend(fontsize=7, loc="center left")
-    fig.suptitle(f"{title}\n{hardware}", fontsize=9)
+    fig.suptitle(f"{term(title)}\n{hardware}", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -284,7 +289,5 @@ def accumulation_plan(cfg: Config, gpu_memory_gb: float, accum_steps: tuple[int,
     dropped = [k for k in accum_steps if k not in kept]
     if not dropped:
         return kept, ""
-    return kept, (f"Left out: one batch of {' or '.join(str(k * cfg.batch_size) for k in dropped)} images at "
-                  f"{cfg.min_size} px would need about {need(max(dropped)) / 1024:.0f} GB (counted from one image's "
-                  f"activations here), more than {headroom:.0%} of this {gpu_memory_gb:.0f} GB GPU; accumulation "
-                  "reaches that batch without holding it.")
+    return kept, say("timeline.left_out", images=say("timeline.or").join(str(k * cfg.batch_size) for k in dropped),
+                     size=cfg.min_size, gb=need(max(dropped)) / 1024, headroom=headroom, card=gpu_memory_gb)

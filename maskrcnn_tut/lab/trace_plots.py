@@ -6,16 +6,20 @@
   main thread (data, forward, backward, optimizer) and one for gloo's threads (gradient
   all-reduces, buffer broadcasts): with one bucket against several it shows the overlap (idea 2),
   with accumulated micro-batches the all-reduces only after the last backward (idea 3, `no_sync`).
+
+Titles, labels and lanes are in the book's language (`wording`).
 """
 from __future__ import annotations
 
+from .bench.shown import shown
 from .traces import DATA, FORWARD, NO_SYNC_ACCUM, SMALL_BUCKET_MB, STEP, DDPTrace
+from .wording import say, term
 
 COLORS = {"data": "tab:orange", "forward": "tab:blue", "backward": "tab:green", "optimizer": "tab:purple",
           "waiting for gradients": "lightgray", "all-reduce": "tab:red"}
-TITLES = {"ddp": "DDP(2), the preset's {cap:g} MB cap: {n} bucket{s}",
-          "ddp_small_buckets": "DDP(2), {cap:g} MB cap: {n} bucket{s}",
-          "ddp_no_sync": f"DDP(2), {{cap:g}} MB cap, {NO_SYNC_ACCUM} micro-batches, no_sync on the first: {{n}} bucket{{s}}"}
+#: Each phase's title: an entry of prose/trace_plots.json.
+TITLES = {"ddp": "trace_plots.title_ddp", "ddp_small_buckets": "trace_plots.title_small",
+          "ddp_no_sync": "trace_plots.title_no_sync"}
 
 
 def _main_lanes(row: dict, events: list[dict]) -> dict[str, list[tuple[float, float]]]:
@@ -51,22 +55,24 @@ def plot_steps(trace: DDPTrace, phases: tuple[str, ...], title: str):
             y = 2 * (len(trace.steps[phase]) - 1 - r)
             for kind, spans in _main_lanes(row, events).items():
                 ax.broken_barh([(ms(a), d / 1000) for a, d in spans], (y + 1, 0.8), color=COLORS[kind],
-                               label=kind if r == 0 else None)
+                               label=term(kind) if r == 0 else None)
             ax.broken_barh([(ms(a), (b - a) / 1000) for a, b in row["grad spans"]], (y, 0.8), color=COLORS["all-reduce"],
-                           label="gradient all-reduce (gloo thread)" if r == 0 else None)
+                           label=term("gradient all-reduce (gloo thread)") if r == 0 else None)
             lo, hi = row["step span"]
             casts = [(ms(e["ts"]), e["dur"] / 1000) for e in events if e.get("ph") == "X"
                      and e.get("name", "").endswith(":broadcast") and lo <= e["ts"] < hi]
-            ax.broken_barh(casts, (y, 0.8), color="black", label="buffer broadcast (gloo thread)" if r == 0 else None)
-            ax.text(-5, y + 0.9, f"rank {r}", ha="right", va="center", fontsize=8)
+            ax.broken_barh(casts, (y, 0.8), color="black",
+                           label=term("buffer broadcast (gloo thread)") if r == 0 else None)
+            ax.text(-5, y + 0.9, say("trace_plots.rank", rank=r), ha="right", va="center", fontsize=8)
         n = len(trace.bucket_mb(phase))
-        ax.set(title=TITLES[phase].format(cap=_cap(trace, phase), n=n, s="s" * (n != 1)),
-               xlabel="milliseconds from the first rank's step start", yticks=[])
+        buckets = say("trace_plots.bucket" if n == 1 else "trace_plots.buckets", n=n)
+        ax.set(title=say(TITLES[phase], cap=_cap(trace, phase), buckets=buckets, micro=NO_SYNC_ACCUM),
+               xlabel=term("milliseconds from the first rank's step start"), yticks=[])
         ax.grid(alpha=0.3, axis="x")
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, ncol=4, loc="lower center")
-    fig.suptitle(f"{title}\none train_step per rank (torch.profiler), batch {trace.batch_size} per process; "
-                 f"{trace.hardware}", fontsize=9)
+    fig.suptitle(f"{term(title)}\n" + say("trace_plots.steps_subtitle", batch=trace.batch_size,
+                                                       hardware=shown(trace.hardware)), fontsize=9)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 
@@ -79,16 +85,15 @@ def plot_buckets(trace: DDPTrace, phase: str = "ddp_small_buckets"):
     ms = lambda us: (us - origin) / 1000  # noqa: E731
     fig, ax = plt.subplots(figsize=(10, 2.6))
     ax.broken_barh([(ms(a), (b - a) / 1000) for a, b in row["backward spans"]], (1, 0.8), color=COLORS["backward"],
-                   label="backward (main thread)")
+                   label=term("backward (main thread)"))
     ax.broken_barh([(ms(a), (b - a) / 1000) for a, b in row["grad spans"]], (0, 0.8), color=COLORS["all-reduce"],
-                   label="bucket all-reduce (gloo thread)")
+                   label=term("bucket all-reduce (gloo thread)"))
     for k, (launch, mb) in enumerate(zip(row["bucket launches"], row["bucket MiB"]), 1):
         ax.axvline(ms(launch), color="black", lw=1, ls="--")
-        ax.text(ms(launch), 2.0, f" bucket {k} ready: {mb:.1f} MiB", fontsize=8, va="bottom")
-    ax.set(ylim=(-0.2, 2.8), yticks=[0.4, 1.4], yticklabels=["gloo", "main"],
-           xlabel="milliseconds from the start of backward",
-           title=f"Gradient buckets ({_cap(trace, phase):g} MB cap): each all-reduce starts when its bucket is full, "
-                 f"rank 0\n{trace.hardware}")
+        ax.text(ms(launch), 2.0, " " + say("trace_plots.ready", bucket=k, mb=mb), fontsize=8, va="bottom")
+    ax.set(ylim=(-0.2, 2.8), yticks=[0.4, 1.4], yticklabels=["gloo", term("main")],
+           xlabel=term("milliseconds from the start of backward"),
+           title=say("trace_plots.buckets_title", cap=_cap(trace, phase), hardware=shown(trace.hardware)))
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()

@@ -40,7 +40,7 @@ from .. import distributed as du
 from ..config import Config
 from ..hardware import ddp_buffer_sync_keyword
 from ..model import build_model
-from . import bench
+from . import bench, wording
 from .bench import projection as predict
 from .machine import hardware
 from .rig import Rig, build_rig
@@ -275,12 +275,11 @@ class DDPTrace:
         """One row per phase: medians with min-max over ranks and steps."""
         keys = ["step ms", "data ms", "forward ms", "backward ms", "optimizer ms", "waiting ms", "all-reduce ms",
                 "all-reduce during backward ms"]
-        names = {"single": "1 process alone (baseline)", "ddp": f"DDP(2), {self.bucket_cap_mb:g} MB buckets (preset)",
-                 "ddp_small_buckets": f"DDP(2), {SMALL_BUCKET_MB:g} MB buckets",
-                 "ddp_no_sync": f"DDP(2), {SMALL_BUCKET_MB:g} MB buckets, {NO_SYNC_ACCUM} micro-batches (no_sync)"}
         table = []
         for phase in PHASES:
-            row = {"run": names[phase], "all-reduces": self.rows(phase)[0]["gradient all-reduces"]}
+            name = wording.say(f"traces.run_{phase}", preset_mb=self.bucket_cap_mb, small_mb=SMALL_BUCKET_MB,
+                               micro=NO_SYNC_ACCUM)
+            row = {"run": name, "all-reduces": self.rows(phase)[0]["gradient all-reduces"]}
             for key in keys:
                 median, low, high = self.spread(phase, key)
                 row[key] = f"{median:.0f} ({low:.0f}-{high:.0f})" if high > 0 else "0"
@@ -310,15 +309,14 @@ def buffer_sync_words(broadcasts_per_step: float) -> str:
     from torch 2.13, `broadcast_buffers` before: `hardware.ddp_buffer_sync_keyword`)."""
     keyword = ddp_buffer_sync_keyword(nn.parallel.DistributedDataParallel)
     other = "broadcast_buffers" if keyword == "forward_sync_buffers" else "forward_sync_buffers"
-    age = "its deprecated older name" if keyword == "forward_sync_buffers" else "its name from torch 2.13 on"
-    return (f"Before each forward DDP also copies the model's buffers (BatchNorm's running statistics) from rank 0 to "
-            f"the others: {broadcasts_per_step:.0f} broadcast(s) per step in the trace. torch {torch.__version__} "
-            f"calls the switch `{keyword}` (`{other}` is {age}); `--no-broadcast-buffers` turns it off.")
+    age = wording.say("traces.older_name" if keyword == "forward_sync_buffers" else "traces.newer_name")
+    return wording.say("traces.buffer_sync", broadcasts=broadcasts_per_step, version=torch.__version__,
+                       keyword=keyword, other=other, age=age)
 
 
 def cpu_label(processes: int) -> str:
     """What a CPU-only trace ran on: this machine's CPU, never its GPUs (M4)."""
-    return f"{processes} processes of one core each on {hardware()['cpu']} (GPUs hidden)"
+    return wording.say("traces.cpu_label", processes=processes, cpu=hardware()["cpu"])
 
 
 def save_trace(trace: DDPTrace, path: Path | str, phase: str = "ddp") -> Path:

@@ -27,8 +27,6 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bench import above, versus
-
 LANGUAGES = ("en", "ja")
 PROSE_DIR = Path(__file__).with_name("prose")
 _current = {"lang": "en"}
@@ -96,6 +94,30 @@ def term(text: str) -> str:
 def placeholders(template: str) -> set[str]:
     """The names a template fills, e.g. {"devices"} for "{devices} devices" (the tests compare languages by them)."""
     return {field.split(".")[0].split("[")[0] for _, field, _, _ in string.Formatter().parse(template) if field}
+
+
+def interval(row: dict | None, key: str = "img/s") -> tuple[float, float] | None:
+    """(low, high) of a row's `key` ("img/s" or "speedup"), or None when it has no spread."""
+    if not row or row.get(f"{key} lo") is None or row.get(f"{key} hi") is None:
+        return None
+    return float(row[f"{key} lo"]), float(row[f"{key} hi"])
+
+
+def versus(a: dict | None, b: dict | None, key: str = "img/s") -> int | None:
+    """+1 when a's whole range of `key` lies above b's, -1 below, 0 when they overlap (within
+    noise); None when either has no spread."""
+    ia, ib = interval(a, key), interval(b, key)
+    if ia is None or ib is None:
+        return None
+    return 1 if ia[0] > ib[1] else -1 if ia[1] < ib[0] else 0
+
+
+def above(row: dict | None, value: float, key: str = "speedup") -> int | None:
+    """+1 when the row's whole range of `key` lies above `value`, -1 below, 0 when it contains it."""
+    span = interval(row, key)
+    if span is None:
+        return None
+    return 1 if span[0] > value else -1 if span[1] < value else 0
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,11 @@ with CUDA graphs every model call starts one CUDA-graph step shared by the backb
 from __future__ import annotations
 
 import torch
+from compiled import compilations
 
 from maskrcnn_tut import model as model_module
 from maskrcnn_tut.config import derive, make_config
-from maskrcnn_tut.model import build_model, compilations, compile_backbone
+from maskrcnn_tut.model import build_model, compile_backbone
 
 
 def _model():

@@ -5,10 +5,11 @@ import dataclasses
 
 import pytest
 import torch
+from compiled import compilations
 
 from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.engine import autocast
-from maskrcnn_tut.model import build_model, compilations, compile_backbone
+from maskrcnn_tut.model import build_model, compile_backbone
 
 
 def _losses(cfg, images, targets, compile_with: str | None = None) -> dict[str, float]:

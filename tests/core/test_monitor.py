@@ -22,14 +22,15 @@ from maskrcnn_tut.engine import (
     make_scaler,
     train_step,
 )
-from maskrcnn_tut.hardware import peak_memory_mb, reset_peak_memory
+from maskrcnn_tut.hardware import peak_memory_mb
 from maskrcnn_tut.lab import processes
+from maskrcnn_tut.lab.bench.cache import img_per_s_quartiles
+from maskrcnn_tut.lab.machine import reset_peak_memory
 from maskrcnn_tut.lab.proofs import TinyDetector, toy_batches
 from maskrcnn_tut.monitor import (
     StragglerCheck,
     img_per_s_mean,
     img_per_s_median,
-    img_per_s_quartiles,
     img_per_s_wall,
     metrics_row,
 )

@@ -12,6 +12,9 @@ runs the same functions: `python -m maskrcnn_tut.lab.bench NAME [--out FILE] [--
 - `sweep_loader()`, `sweep_amp()`, `sweep_cudnn()`, `sweep_accum()`, `sweep_size()`,
   `sweep_channels_last()`, `sweep_fast_path()`: one technique each (`SWEEPS` by command name).
 - `overhead()`: what train.py's loop adds over the bare model step, in alternating rounds on one model.
+- `pipeline()`: the whole loop with the DataLoader's workers on real files against the bare step on the
+  same batches and weights, with the CPU the training process and the workers use (`worker_cost()`:
+  the workers alone, per image, and where an image's time goes).
 - `time_to_accuracy()`: the main job with and without the fast path, training seconds to a target AP.
 - `gpu_suite(max_minutes=8)`: the table on every GPU, AMP, cudnn.benchmark, channels_last and the fast
   path with R50-FPN at 800 px, bounded in time; writes `book/results/<hardware>-<date>.json`
@@ -33,23 +36,23 @@ Config fields as keyword overrides (`table(batch_size=8)`, `sweep_amp(min_size=9
 
 Modules: `harness` (the measurement and its worker processes), `results` (BenchResult, its table,
 plots and files), `scaling` (the speed table, `table`), `sweeps`, `gpu` (the GPU suite), `cli` (the shell),
-`overhead`, `accuracy` (time to accuracy), `profile` (what a step's host time goes to),
+`overhead`, `pipeline` (the loop with its loader), `accuracy` (time to accuracy), `profile` (what a step's host time goes to),
 `cache` (`cached(fn, **args)`: each figure measured once per hardware and code, with its spread),
 `projection` (the article's table taken apart, scaling on paper, `scaling_curve`, days for COCO),
-`coco_scale` (start-up time and memory at COCO scale). `single_device_speed()` is one device's
-speed (chapter 1).
+`coco_scale` (start-up time and memory at COCO scale), `shown` (what a result records is English,
+in files, the cache and the shell; `shown(text)` reads it back in the book's language, as
+`BenchResult.to_markdown`, its plots and `book.show_table` do). `single_device_speed()` is one
+device's speed (chapter 1).
 """
+from ..wording import above, interval, versus
 from . import projection
 from .accuracy import time_to_accuracy
 from .cache import (
-    above,
     cached,
     describe_cache,
-    interval,
     machine_busy,
     spread_text,
     timing_row,
-    versus,
 )
 from .cli import build_parser, main
 from .gpu import gpu_suite
@@ -66,6 +69,7 @@ from .harness import (
     pin_cores,
 )
 from .overhead import overhead
+from .pipeline import pipeline, worker_cost
 from .projection import scaling_curve
 from .results import BenchResult, load_suite, markdown_table, python_call, results_path
 from .scaling import CPU_TABLE_BATCH, TABLE_COLUMNS, single_device_speed, table
@@ -87,7 +91,7 @@ __all__ = [
     "BENCH_SHAPES", "CPU_TABLE_BATCH", "NO_DIFFERENCE", "SWEEPS", "SWEEP_COLUMNS", "TABLE_COLUMNS", "BenchResult",
     "Measurement", "bench_config", "bench_dataset", "build_parser", "environment", "gpu_suite", "knob_note",
     "launch_measure", "load_suite", "main", "markdown_table", "measure", "measure_worker", "multiscale_sizes",
-    "overhead", "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
+    "overhead", "pipeline", "worker_cost", "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
     "above", "cached", "describe_cache", "interval", "machine_busy", "projection", "scaling_curve", "spread_text", "timing_row", "versus",
     "time_to_accuracy", "single_device_speed",

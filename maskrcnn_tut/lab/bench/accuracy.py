@@ -24,6 +24,7 @@ from ...errors import BenchError
 from ...monitor import read_jsonl
 from ..machine import provenance
 from .results import BenchResult, python_call
+from .shown import english
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"
 #: The fast path's flags; batches of one orientation each (group factor 0), or fixed shapes pad mixed
@@ -56,7 +57,9 @@ def time_to_accuracy(metric: str = "segm_AP50", target: float = 0.90, eval_every
     if eval_every % print_freq:
         raise BenchError(f"--eval-every {eval_every} must be a multiple of the print frequency {print_freq}, "
                          "so that every evaluation falls at the end of a logged window")
-    variants = variants or {"eager": (), "fast path (" + " ".join(FAST_PATH) + ")": FAST_PATH}
+    variants = variants or {"eager": (), english("bench.fast_path_variant", flags=" ".join(FAST_PATH)): FAST_PATH}
+    first_eval, final, by_eval = (english(f"bench.tta_{column}", metric=metric, target=target)
+                                  for column in ("first_eval", "final", "by_eval"))
     rows = []
     with tempfile.TemporaryDirectory(prefix="time-to-accuracy-") as work:
         for name, flags in variants.items():
@@ -76,30 +79,24 @@ def time_to_accuracy(metric: str = "segm_AP50", target: float = 0.90, eval_every
             reached = next((e for e in evals if e[metric] >= target), None)
             summary = json.loads((out / "summary.json").read_text())
             rows.append({"variant": name, "steps": summary["steps"], "img/s (wall)": summary["img_per_s_wall"],
-                         f"first eval with {metric} >= {target}": reached["step"] if reached else None,
+                         first_eval: reached["step"] if reached else None,
                          "training s to it": at_step.get(reached["step"]) if reached else None,
                          "of it compiling s": compiling,
                          "training s, all steps": cumulative[-1][1],
-                         f"final {metric}": summary[metric],
-                         f"{metric} by eval": ", ".join(f"{e['step']}: {e[metric]:.3f}" for e in evals),
+                         final: summary[metric],
+                         by_eval: ", ".join(f"{e['step']}: {e[metric]:.3f}" for e in evals),
                          "curve": [(e["step"], at_step.get(e["step"]), e[metric]) for e in evals]})
     eager = rows[0]["training s to it"]
     for row in rows:
         reached = row["training s to it"]
         row["speed-up to target"] = eager / reached if eager and reached else None
-    notes = [f"The main job (`torchrun --nproc_per_node={nprocs} maskrcnn_tut/train.py`"
-             + (" " + " ".join(extra_flags) if extra_flags else "") + f"), evaluated every {eval_every} steps; "
-             "the variants ran one after the other in one invocation.",
-             f"Training seconds are summed from metrics.jsonl (evaluation left out); a target reached between two "
-             f"evaluations counts at the later one, so the resolution is {eval_every} steps.",
-             "'of it compiling s' is the time of the print windows that took more than twice the median window; "
-             "each run starts with an empty torch.compile cache (TORCHINDUCTOR_CACHE_DIR of its own), as a "
-             "first run on a machine does (a later run reuses the cache and compiles in a fraction of the time)."]
+    job = f"torchrun --nproc_per_node={nprocs} maskrcnn_tut/train.py" + (" " + " ".join(extra_flags) if extra_flags else "")
+    notes = [english("bench.tta_job", job=job, every=eval_every), english("bench.tta_seconds", every=eval_every),
+             english("bench.tta_compiling")]
     command = python_call("bench.accuracy.time_to_accuracy", metric=metric, target=target, eval_every=eval_every,
                           nprocs=nprocs, extra_flags=extra_flags or None)
-    columns = ["variant", "steps", "img/s (wall)", f"first eval with {metric} >= {target}", "training s to it",
-               "of it compiling s", "speed-up to target", "training s, all steps", f"final {metric}",
-               f"{metric} by eval"]
-    return BenchResult("time-to-accuracy", f"Training time to {metric} >= {target}, with and without the fast path",
+    columns = ["variant", "steps", "img/s (wall)", first_eval, "training s to it", "of it compiling s",
+               "speed-up to target", "training s, all steps", final, by_eval]
+    return BenchResult("time-to-accuracy", english("bench.tta_title", metric=metric, target=target),
                        rows, columns, notes,
                        provenance(command) | {"metric": metric, "target": target, "eval_every": eval_every})

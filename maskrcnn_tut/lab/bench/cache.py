@@ -16,7 +16,7 @@ so two chapters can never quote two different measurements of one figure. The ke
 
 Each measured row carries its spread from the measurement itself (`timing_row`, which
 `harness.Measurement.row` uses): the step times (`"step s"`) and their interquartile range as
-img/s (`"img/s lo"`, `"img/s hi"`: `monitor.img_per_s_quartiles`). A cached result's rows with a
+img/s (`"img/s lo"`, `"img/s hi"`: `img_per_s_quartiles`). A cached result's rows with a
 speedup also get the speedup's range against the first row (`"speedup lo"`, `"speedup hi"`:
 this row's low over the baseline's high, and its high over the baseline's low). `interval(row)`,
 `versus(a, b)` and `spread_text(row)` read them, so prose can say "within noise" when two
@@ -37,14 +37,17 @@ import hashlib
 import inspect
 import json
 import os
+import statistics
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from ...data.shapes import default_cache_dir
-from ...monitor import img_per_s_median, img_per_s_quartiles
+from ...monitor import img_per_s_median
 from ..machine import provenance
+from ..wording import interval
 from .results import BenchResult
+from .shown import english, say
 
 #: Bump when the cached file's layout changes: older files are then measured again.
 CACHE_VERSION = 1
@@ -137,40 +140,17 @@ def add_spread(result: BenchResult) -> bool:
         row["img/s IQR"] = f"{row['img/s lo']:.3g}-{row['img/s hi']:.3g}"
     if "img/s" in result.columns and "img/s IQR" not in result.columns:
         result.columns.insert(result.columns.index("img/s") + 1, "img/s IQR")
-    result.notes.append("img/s IQR: images per step over the 75th and 25th percentile step times (the middle "
-                        "half of the measured steps); two rows whose ranges overlap are within noise of each other.")
+    result.notes.append(english("bench.iqr_note"))
     return True
 
 
-def interval(row: dict | None, key: str = "img/s") -> tuple[float, float] | None:
-    """(low, high) of a row's `key` ("img/s" or "speedup"), or None when it has no spread."""
-    if not row or row.get(f"{key} lo") is None or row.get(f"{key} hi") is None:
-        return None
-    return float(row[f"{key} lo"]), float(row[f"{key} hi"])
-
-
-def versus(a: dict | None, b: dict | None, key: str = "img/s") -> int | None:
-    """+1 when a's whole range of `key` lies above b's, -1 below, 0 when they overlap (within
-    noise); None when either has no spread."""
-    ia, ib = interval(a, key), interval(b, key)
-    if ia is None or ib is None:
-        return None
-    return 1 if ia[0] > ib[1] else -1 if ia[1] < ib[0] else 0
-
-
-def above(row: dict | None, value: float, key: str = "speedup") -> int | None:
-    """+1 when the row's whole range of `key` lies above `value`, -1 below, 0 when it contains it."""
-    span = interval(row, key)
-    if span is None:
-        return None
-    return 1 if span[0] > value else -1 if span[1] < value else 0
-
-
 def spread_text(row: dict, key: str = "speedup", fmt: str = ".2f", unit: str = "x") -> str:
-    """'1.85x (middle half of steps: 1.71-1.98x)', or just the value without a spread."""
+    """'1.85x (IQR 1.71-1.98x)', the value with the interquartile range of its steps (in the book's
+    language), or just the value without a spread."""
     span = interval(row, key)
     value = format(row[key], fmt) + unit
-    return value if span is None else f"{value} (IQR {span[0]:{fmt}}-{span[1]:{fmt}}{unit})"
+    return value if span is None else say("bench.spread", value=value, low=format(span[0], fmt),
+                                          high=format(span[1], fmt) + unit)
 
 
 # --------------------------------------------------------------------------- other work on the machine
@@ -208,8 +188,7 @@ def machine_busy(result: BenchResult) -> str:
     share = result.provenance.get("cache", {}).get("other load")
     if share is None or share <= BUSY_SHARE:
         return ""
-    return (f"While this was measured, other processes kept {share:.0%} of this machine's cores busy, so rows "
-            "measured one after another met different loads: read every comparison between them as within noise.")
+    return say("bench.machine_busy", share=share)
 
 
 # --------------------------------------------------------------------------- the cache
@@ -266,7 +245,15 @@ def describe_cache(result: BenchResult) -> str:
     """One line saying where a cached figure came from: measured now, or read from which file."""
     info = result.provenance.get("cache")
     if not info:
-        return "measured now (not cached)"
+        return say("bench.not_cached")
     when = info.get("measured", "")[:16].replace("T", " ")
-    how = "read from the cache" if info.get("hit") else "measured now and cached"
-    return f"{how} ({when} UTC; `{info['file']}`; delete the file or pass refresh=True to measure again)"
+    return say("bench.cache_hit" if info.get("hit") else "bench.cache_new", when=when, file=info["file"])
+
+
+def img_per_s_quartiles(images_per_step: float, step_times: Sequence[float]) -> tuple[float, float]:
+    """(low, high): images per step over the 75th and over the 25th percentile step time, the
+    spread of the middle half of the steps around `img_per_s_median`."""
+    if len(step_times) < 2:
+        return (img_per_s_median(images_per_step, step_times),) * 2
+    q1, _, q3 = statistics.quantiles(step_times, n=4, method="inclusive")
+    return images_per_step / q3, images_per_step / q1

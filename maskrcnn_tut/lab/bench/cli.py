@@ -14,6 +14,7 @@ from ...flags import add_flags
 from .accuracy import time_to_accuracy
 from .gpu import gpu_suite
 from .overhead import overhead
+from .pipeline import pipeline
 from .scaling import CPU_TABLE_BATCH, table
 from .sweeps import SWEEPS
 
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     overhead_cmd.add_argument("--image-size", type=int, help="square synthetic images of this side (default: min size)")
     overhead_cmd.add_argument("--rounds", type=int, help="alternating rounds of the three loops")
     add_flags(overhead_cmd, ("amp",), show_defaults=False)
+    pipeline_cmd = commands.add_parser("pipeline", parents=[common], help=pipeline.__doc__.splitlines()[0])
+    pipeline_cmd.add_argument("--rounds", type=int, help="rounds of the loop's steps, each repeated bare")
+    add_flags(pipeline_cmd, ("amp", "workers"), show_defaults=False)
     accuracy_cmd = commands.add_parser("time-to-accuracy", help=time_to_accuracy.__doc__.splitlines()[0])
     accuracy_cmd.add_argument("--metric", default="segm_AP50", help="an evaluation key (default: segm_AP50)")
     accuracy_cmd.add_argument("--target", type=float, default=0.90, help="the value to reach (default: 0.90)")
@@ -71,6 +75,9 @@ def run(args: argparse.Namespace, command: str) -> int:
         variants = ({"eager": ()} | {flags: tuple(shlex.split(flags)) for flags in args.variant}
                     if args.variant else None)
         result = time_to_accuracy(args.metric, args.target, args.eval_every, args.nprocs, variants)
+    elif args.command == "pipeline":
+        options.update({k: getattr(args, k) for k in ("rounds", "amp", "workers") if getattr(args, k) is not None})
+        result = pipeline(**options)
     elif args.command == "overhead":
         options.pop("data_path", None)
         options.update({k: getattr(args, k) for k in ("image_size", "rounds", "amp") if getattr(args, k) is not None})

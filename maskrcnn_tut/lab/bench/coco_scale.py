@@ -31,8 +31,9 @@ import torch
 
 from ... import distributed as du
 from ...errors import UserError, print_error
-from ...hardware import current_memory_mb, peak_memory_mb
+from ...hardware import peak_memory_mb
 from .. import processes
+from ..machine import current_memory_mb
 
 CPU = torch.device("cpu")
 

@@ -24,6 +24,7 @@ from ...config import make_config
 from ...monitor import StragglerCheck
 from .harness import bench_config, bench_dataset, measure
 from .projection import bus_bandwidth_gbps
+from .shown import english
 
 
 def collective_device() -> torch.device:
@@ -74,10 +75,10 @@ def allreduce_timing(total_mb: float, bucket_mbs: Sequence[float], repeats: int 
     rows = []
     for bucket in bucket_mbs:
         chunks = list(gradients.split(max(1, int(bucket * 2**20 / 4))))
-        rows.append({"sent as": f"fp32 in {bucket:g} MB buckets", "all-reduces": len(chunks),
+        rows.append({"sent as": english("bench.sent_fp32", mb=bucket), "all-reduces": len(chunks),
                      "MB per process": total_mb, "ms": 1000 * statistics.median(allreduce_seconds(chunks, repeats))})
     chunks = list(gradients.half().split(max(1, int(compressed_bucket_mb * 2**20 / 2))))
-    rows.append({"sent as": f"fp16 in {compressed_bucket_mb:g} MB buckets (compressed)", "all-reduces": len(chunks),
+    rows.append({"sent as": english("bench.sent_fp16", mb=compressed_bucket_mb), "all-reduces": len(chunks),
                  "MB per process": total_mb / 2, "ms": 1000 * statistics.median(allreduce_seconds(chunks, repeats))})
     return rows
 

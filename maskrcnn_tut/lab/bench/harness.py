@@ -26,9 +26,10 @@ from maskrcnn_tut.lab import processes
 from ... import distributed as du
 from ...config import Config
 from ...errors import BenchError
-from ...hardware import peak_memory_mb, reset_peak_memory, usable_cores
+from ...hardware import peak_memory_mb, usable_cores
 from ...monitor import img_per_s_mean, img_per_s_median
 from ..dataparallel import DetectionDataParallel, explain_unavailable
+from ..machine import reset_peak_memory
 from ..rig import LONG_SCHEDULE, SHAPES_SIZES, build_rig, shapes_config, shapes_dataset
 from .cache import timing_row
 

@@ -31,10 +31,12 @@ import torch
 from ...errors import BenchError
 from ...hardware import usable_cores
 from ..machine import provenance
-from .cache import cached, interval
+from ..wording import interval
+from .cache import cached
 from .harness import bench_config, launch_measure
 from .results import BenchResult, python_call
 from .scaling import CPU_TABLE_BATCH, table
+from .shown import english, say, shown, term
 
 #: GPUs per node before a ring all-reduce has to cross the network between nodes.
 GPUS_PER_NODE = 8
@@ -162,7 +164,7 @@ def ddp_point(nprocs: int, preset: str | None = None, steps: int = 16, warmup: i
     measurement = launch_measure(cfg, nprocs, [{"steps": steps, "warmup": warmup}], threads)[0]
     row = {"setup": f"DDP({nprocs})", "processes": nprocs, "devices": nprocs, **measurement.row()}
     command = python_call("bench.ddp_point", nprocs=nprocs, preset=preset, steps=steps, warmup=warmup, **overrides)
-    return BenchResult("ddp_point", f"DDP over {nprocs}", [row],
+    return BenchResult("ddp_point", english("bench.ddp_point_title", n=nprocs), [row],
                        ["setup", "processes", "devices", "img/s", "peak MiB/device", "steps"], [], provenance(command))
 
 
@@ -194,10 +196,10 @@ def scaling_curve(preset: str | None = None, steps: int = 16, warmup: int = 3, *
                      **{k: ddp.get(k) for k in ("img/s lo", "img/s hi", "speedup lo", "speedup hi")}})
     for row in rows:
         row["scaling efficiency"] = row["speedup"] / row["devices"]
-    notes = [f"1 and {top} devices: the speed table's rows; between them DDP measured the same way."]
+    notes = [english("bench.curve_note", top=top)]
     prov = {**speed.provenance, "baseline images/step": base.get("images/step"),
             "baseline step s": base["images/step"] / base["img/s"] if base.get("images/step") else None}
-    return BenchResult("scaling", "Measured scaling", rows,
+    return BenchResult("scaling", english("bench.curve_title"), rows,
                        ["devices", "setup", "img/s", "speedup", "scaling efficiency"], notes, prov)
 
 
@@ -216,28 +218,28 @@ def plot_scaling(curve: BenchResult | None, paper: list[dict], title: str, artic
         best = [100 * row["efficiency overlapped"] for row in rows]
         color = colors[index % len(colors)]
         ax.fill_between(ns, worst, best, color=color, alpha=0.2)
-        ax.plot(ns, worst, color=color, linewidth=1.2, label=f"on paper: {link} (band: overlap best case)")
-    ax.axhline(100, linestyle=":", color="black", label="ideal (speedup = devices)")
+        ax.plot(ns, worst, color=color, linewidth=1.2, label=say("bench.on_paper", link=shown(link)))
+    ax.axhline(100, linestyle=":", color="black", label=term("ideal (speedup = devices)"))
     if curve is not None:
         ns = [row["devices"] for row in curve.rows]
         ys = [100 * row["speedup"] / row["devices"] for row in curve.rows]
         low = [y - 100 * (row.get("speedup lo") or row["speedup"]) / row["devices"] for y, row in zip(ys, curve.rows)]
         high = [100 * (row.get("speedup hi") or row["speedup"]) / row["devices"] - y for y, row in zip(ys, curve.rows)]
         ax.errorbar(ns, ys, yerr=[low, high], fmt="o-", color="tab:green", capsize=4, markersize=7,
-                    label=f"measured here ({hardware or curve.provenance.get('hardware', '')}; bars: IQR)")
+                    label=say("bench.measured_here", hardware=shown(hardware or curve.provenance.get("hardware", ""))))
     if article_rows:
         ax.plot([r["devices"] for r in article_rows], [100 * r["img/s"] / (r["devices"] * article_rows[0]["img/s"])
                                                         for r in article_rows], "s", color="tab:gray", markersize=7,
-                label="the article (its GPUs, quoted)")
+                label=term("the article (its GPUs, quoted)"))
     if published:
         base = published["img/s"][0]
         ax.plot(published["gpus"], [100 * v / (g * base) for v, g in zip(published["img/s"], published["gpus"])], "^",
-                color="tab:red", markersize=7, label="NVIDIA DGX-1, 8x V100, FP32, batch 2 (published)")
+                color="tab:red", markersize=7, label=term("NVIDIA DGX-1, 8x V100, FP32, batch 2 (published)"))
     ax.set_xscale("log", base=2)
     top = max(ax.get_ylim()[1], 105)
     ax.set_ylim(min(ax.get_ylim()[0], 75), top)
-    ax.set(title=title, xlabel="devices (GPUs; on a CPU, processes of one core)",
-           ylabel="scaling efficiency (% of N x one device)")
+    ax.set(title=term(title), xlabel=term("devices (GPUs; on a CPU, processes of one core)"),
+           ylabel=term("scaling efficiency (% of N x one device)"))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)
     fig.tight_layout()
@@ -265,7 +267,8 @@ def coco_days_table(speeds: Sequence[dict], images: int, schedules: dict[str, fl
     rows = []
     for speed in speeds:
         row = {"source": speed["source"], "img/s": speed["img/s"]}
-        row.update({f"{name}, days": coco_days(speed["img/s"], epochs, images) for name, epochs in schedules.items()})
+        row.update({english("bench.days", schedule=name): coco_days(speed["img/s"], epochs, images)
+                    for name, epochs in schedules.items()})
         if speed.get("img/s lo") and speed.get("img/s hi"):
             longest = max(schedules.values())
             row["days range"] = (f"{coco_days(speed['img/s hi'], longest, images):.3g}-"

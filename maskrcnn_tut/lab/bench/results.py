@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .shown import say, shown, shown_rows, term
+
 
 def _cell(value: Any, floatfmt: str) -> str:
     if value is None:
@@ -30,8 +32,8 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None, f
 
 def python_call(name: str, **kwargs) -> str:
     """The Python call that produced a result, for its provenance (None arguments left out)."""
-    shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if v is not None)
-    return f"maskrcnn_tut.{name}({shown})"
+    arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if v is not None)
+    return f"maskrcnn_tut.{name}({arguments})"
 
 
 def row_label(row: dict) -> str:
@@ -58,9 +60,10 @@ class BenchResult:
                      and (not measured or row.get("img/s") is not None)), None)
 
     def to_markdown(self) -> str:
-        lines = [f"**{self.title}** ({self.provenance.get('hardware', '')})", "",
-                 markdown_table(self.rows, self.columns)]
-        lines += [""] + [f"- {note}" for note in self.notes] if self.notes else []
+        """The title, table and notes in the book's language (English, as stored, in the shell)."""
+        lines = [f"**{shown(self.title)}** ({shown(self.provenance.get('hardware', ''))})", "",
+                 markdown_table(*shown_rows(self.rows, self.columns)) if self.rows else markdown_table([])]
+        lines += [""] + [f"- {shown(note)}" for note in self.notes] if self.notes else []
         return "\n".join(lines)
 
     def _repr_markdown_(self) -> str:
@@ -100,16 +103,16 @@ def _pyplot():
 def _plot_sweep(result: BenchResult):
     plt = _pyplot()
     measured = [row for row in result.rows if row.get("img/s") is not None]
-    labels = [row_label(row) for row in measured]
+    labels = [shown(row_label(row)) for row in measured]
     fig, (ax_speed, ax_memory) = plt.subplots(1, 2, figsize=(11, 3.2 + 0.12 * len(labels)))
     ax_speed.barh(labels, [row["img/s"] for row in measured], color="tab:green")
-    ax_speed.set(xlabel="images / s (median step)", title="Throughput")
+    ax_speed.set(xlabel=term("images / s (median step)"), title=term("Throughput"))
     ax_memory.barh(labels, [row["peak MiB/device"] for row in measured], color="tab:purple")
-    ax_memory.set(xlabel="MiB", title="Peak memory per device")
+    ax_memory.set(xlabel="MiB", title=term("Peak memory per device"))
     for ax in (ax_speed, ax_memory):
         ax.invert_yaxis()
         ax.grid(alpha=0.3, axis="x")
-    fig.suptitle(f"{result.title} — {result.provenance.get('hardware', '')}")
+    fig.suptitle(f"{shown(result.title)} — {shown(result.provenance.get('hardware', ''))}")
     fig.tight_layout()
     return fig
 
@@ -128,11 +131,11 @@ def _plot_time_to_accuracy(result: BenchResult):
     fig, ax = plt.subplots(figsize=(7, 4))
     for row in result.rows:
         seconds, values = zip(*[(s, v) for _, s, v in row["curve"]]) if row["curve"] else ((), ())
-        ax.plot(seconds, values, marker="o", label=row["variant"])
+        ax.plot(seconds, values, marker="o", label=shown(row["variant"]))
     metric, target = result.provenance["metric"], result.provenance["target"]
-    ax.axhline(target, color="tab:red", linestyle="--", label=f"target {metric} {target}")
-    ax.set(xlabel="training seconds (evaluation left out)", ylabel=metric,
-           title=f"{result.title}\n{result.provenance.get('hardware', '')}")
+    ax.axhline(target, color="tab:red", linestyle="--", label=say("bench.target", metric=metric, target=target))
+    ax.set(xlabel=term("training seconds (evaluation left out)"), ylabel=metric,
+           title=f"{shown(result.title)}\n{shown(result.provenance.get('hardware', ''))}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -17,10 +17,11 @@ from typing import Callable
 import torch
 
 from ...config import Config
-from ...hardware import cpu_has_bf16, usable_cores
-from ..machine import provenance
+from ...hardware import usable_cores
+from ..machine import cpu_has_bf16, provenance
 from .harness import bench_config, launch_measure, multiscale_sizes
 from .results import BenchResult, python_call
+from .shown import english, say, shown
 
 SWEEP_COLUMNS = ["setting", "img/s", "img/s all steps", "data ms", "compute ms", "peak MiB/device", "steps", "note"]
 #: A knob whose settings differ by less than this (relative img/s) made no measurable difference.
@@ -42,7 +43,8 @@ def _sweep(name: str, title: str, cfg: Config, settings: list[tuple[str, dict]],
     rows = []
     for (label, knobs), measurement in zip(settings, measurements):
         rows.append({"setting": label, **measurement.row(), "note": "", "knobs": knobs})
-        print(f"{name}: {label}: {rows[-1]['img/s']:.2f} img/s, peak {rows[-1]['peak MiB/device']:.0f} MiB", flush=True)
+        print(say("bench.sweep_progress", name=name, setting=shown(label), speed=rows[-1]["img/s"],
+                  mb=rows[-1]["peak MiB/device"]), flush=True)
     rows += [{"setting": label, "note": why} for label, why in skipped]
     return BenchResult(name, title, rows, SWEEP_COLUMNS, [], provenance(command))
 
@@ -59,13 +61,12 @@ def knob_note(rows: list[dict], knob: str, why_flat: str, key: str = "img/s", mo
     spreads = [(max(r[key] for r in group) / min(r[key] for r in group) - 1, group)
                for group in groups.values() if len({str(r["knobs"][knob]) for r in group}) > 1]
     if not spreads:
-        return f"{knob}: fewer than two settings measured here."
+        return english("bench.knob_fewer", knob=knob)
     spread, group = max(spreads, key=lambda item: item[0])
     if spread < NO_DIFFERENCE:
-        return f"{knob} made no measurable difference to {key} here (at most {spread:.1%} apart): {why_flat}"
+        return english("bench.knob_flat", knob=knob, key=key, spread=spread, why=why_flat)
     best = max(group, key=lambda r: r[key]) if key.startswith("img/s") else min(group, key=lambda r: r[key])
-    return (f"{knob}: up to {spread:.0%} difference in {key} with the other knobs fixed; "
-            f"best of those: {best['setting']}.")
+    return english("bench.knob_moved", knob=knob, key=key, spread=spread, best=best["setting"])
 
 
 def sweep_loader(preset: str | None = None, workers: tuple[int, ...] = (0, 1, 2), steps: int = 16,
@@ -80,29 +81,22 @@ def sweep_loader(preset: str | None = None, workers: tuple[int, ...] = (0, 1, 2)
             for persistent in ((False, True) if n > 0 else (False,)):
                 label = f"workers={n}, pin_memory={pin}" + (f", persistent={persistent}" if n > 0 else "")
                 settings.append((label, {"workers": n, "pin_memory": pin, "persistent_workers": persistent}))
-    result = _sweep("loader", "DataLoader: num_workers x pin_memory x persistent_workers", cfg, settings,
+    result = _sweep("loader", english("bench.loader_title"), cfg, settings,
                     python_call("bench.sweep_loader", preset=preset, workers=workers, steps=steps, warmup=warmup,
                                 data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
     rows = result.rows
     data_share = max(r["data ms"] / (r["data ms"] + r["compute ms"]) for r in rows)
     result.notes = [
-        "data ms: median time a step waits for its batch; epoch-start data ms: the first batch of each "
-        f"epoch (an epoch is {rows[0]['steps/epoch']} steps here), where non-persistent "
-        "workers are started again; 'img/s all steps' includes those waits.",
-        knob_note(rows, "workers", f"loading takes at most {data_share:.0%} of a step in any setting, so the "
-                  "loader is not the bottleneck on this small, cheap-to-decode data."),
-        knob_note(rows, "persistent_workers", "starting workers again costs little next to an epoch's "
-                  "steps here.", key="img/s all steps"),
+        english("bench.loader_times", steps=rows[0]["steps/epoch"]),
+        knob_note(rows, "workers", english("bench.loader_flat", share=data_share)),
+        knob_note(rows, "persistent_workers", english("bench.persistent_flat"), key="img/s all steps"),
     ]
     if cuda:
-        result.notes.append(knob_note(rows, "pin_memory", "host-to-GPU copies of these small batches are "
-                                      "fast either way."))
+        result.notes.append(knob_note(rows, "pin_memory", english("bench.pin_flat")))
     else:
-        result.notes.append("pin_memory was not measured: there is no GPU. Pinned (page-locked) memory only "
-                            "speeds host-to-GPU copies (with non_blocking=True); without CUDA PyTorch ignores it.")
+        result.notes.append(english("bench.pin_cpu"))
     if usable_cores() <= 2:
-        result.notes.append(f"With {usable_cores()} cores, worker processes compete with the training threads "
-                            "for the same cores; on a GPU machine the cores only feed the GPUs and gain more.")
+        result.notes.append(english("bench.few_cores", cores=usable_cores()))
     return result
 
 
@@ -116,22 +110,18 @@ def sweep_amp(preset: str | None = None, steps: int = 16, warmup: int = 3, data_
     if cuda:
         settings.append(("fp16 autocast + GradScaler", {"amp": True, "amp_dtype": "float16"}))
     else:
-        skipped.append(("fp16 autocast + GradScaler", "needs CUDA: float16 training with GradScaler is a GPU "
-                        "technique (tensor cores); CPUs use bfloat16"))
+        skipped.append(("fp16 autocast + GradScaler", english("bench.fp16_cpu")))
     if cuda or cpu_has_bf16() is not False or force_bf16:
         settings.append(("bf16 autocast", {"amp": True, "amp_dtype": "bfloat16"}))
     else:
-        skipped.append(("bf16 autocast", "not measured: this CPU has no bfloat16 instructions (avx512_bf16 or "
-                        "AMX), so bf16 is emulated and many times slower than fp32 (force_bf16=True measures it)"))
-    result = _sweep("amp", "Mixed precision: fp32 / fp16 / bf16", cfg, settings,
+        skipped.append(("bf16 autocast", english("bench.bf16_cpu")))
+    result = _sweep("amp", english("bench.amp_title"), cfg, settings,
                     python_call("bench.sweep_amp", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
                                 max_seconds=max_seconds, force_bf16=force_bf16 or None, **overrides),
                     steps, warmup, max_seconds, skipped)
-    result.notes.append(knob_note(result.rows, "amp_dtype", "this model's step is not limited by the "
-                                  "precision of its math on this hardware."))
+    result.notes.append(knob_note(result.rows, "amp_dtype", english("bench.amp_flat")))
     if not cuda:
-        result.notes.append("Memory: a CPU process's peak resident memory includes the framework and the model; "
-                            "the activations autocast shrinks are a smaller share of it than on a GPU.")
+        result.notes.append(english("bench.amp_cpu_memory"))
     return result
 
 
@@ -140,28 +130,20 @@ def sweep_cudnn(preset: str | None = None, steps: int = 16, warmup: int = 3, dat
     """cudnn.benchmark off/on with fixed (square) vs varying (multi-scale) image sizes."""
     cfg = bench_config(preset, data_path, **overrides)
     cuda = torch.cuda.is_available()
-    settings = [(f"{shape} sizes" + (f", cudnn.benchmark={flag}" if cuda else ""),
+    settings = [(english("bench.cudnn_setting", sizes=f"{shape} sizes", flag=flag) if cuda else f"{shape} sizes",
                  {"shape": shape, "cudnn_benchmark": flag})
                 for shape in ("fixed", "varying") for flag in ((False, True) if cuda else (False,))]
-    result = _sweep("cudnn", "cudnn.benchmark with fixed and varying image sizes", cfg, settings,
+    result = _sweep("cudnn", english("bench.cudnn_title"), cfg, settings,
                     python_call("bench.sweep_cudnn", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
                                 max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
     sizes = ", ".join(map(str, multiscale_sizes(cfg.min_size)))
-    result.notes = [f"fixed: every image resized to {cfg.min_size}x{cfg.min_size} (one input shape); varying: "
-                    f"multi-scale training, the shorter side drawn from {sizes} px per image with natural "
-                    "aspect ratios (new padded shapes on many steps). 'img/s all steps' includes the steps "
-                    "that met a new shape."]
+    result.notes = [english("bench.cudnn_sizes", size=cfg.min_size, sizes=sizes)]
     if cuda:
-        result.notes.append(knob_note(result.rows, "cudnn_benchmark", "autotuning finds no faster kernels "
-                                      "for these shapes.", key="img/s all steps"))
+        result.notes.append(knob_note(result.rows, "cudnn_benchmark", english("bench.cudnn_flat"),
+                                      key="img/s all steps"))
     else:
-        result.notes.append("cudnn.benchmark was not measured: a CPU has no cuDNN, so the flag does nothing. "
-                            "CPU convolutions run through oneDNN, which builds and caches a primitive for each "
-                            "input shape: the CPU's counterpart of the per-shape cost of cuDNN autotuning, "
-                            "measured here as fixed against varying sizes (varying sizes also change the work "
-                            "per image, about equal on average).")
-    result.notes.append(knob_note(result.rows, "shape", "per-shape setup is small next to a step at these "
-                                  "sizes.", key="img/s all steps"))
+        result.notes.append(english("bench.cudnn_cpu"))
+    result.notes.append(knob_note(result.rows, "shape", english("bench.shape_flat"), key="img/s all steps"))
     return result
 
 
@@ -173,24 +155,23 @@ def sweep_accum(preset: str | None = None, accum_steps: tuple[int, ...] = (1, 2,
     b = cfg.batch_size
     settings = []
     for k in accum_steps:
-        settings.append((f"batch {b} x accum {k} ({b * k} images/step)",
+        settings.append((english("bench.accum_setting", batch=b, k=k, images=b * k),
                          {"accum_steps": k, "batch_size": b, "steps": max(4, steps // k)}))
         if k > 1:
-            settings.append((f"batch {b * k} x accum 1 ({b * k} images/step)",
+            settings.append((english("bench.accum_setting", batch=b * k, k=1, images=b * k),
                              {"accum_steps": 1, "batch_size": b * k, "steps": max(4, steps // k)}))
-    result = _sweep("accum", "Gradient accumulation: throughput and memory", cfg, settings,
+    result = _sweep("accum", english("bench.accum_title"), cfg, settings,
                     python_call("bench.sweep_accum", preset=preset, accum_steps=accum_steps, steps=steps, warmup=warmup,
                                 data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds,
                     process_per_setting=True)
     by_knobs = {(r["knobs"]["batch_size"], r["knobs"]["accum_steps"]): r for r in result.rows}
-    result.notes = ["Accumulation holds one micro-batch's activations whatever K is; the same images in one "
-                    "batch hold all of theirs at once. Each setting ran in a fresh process."]
+    result.notes = [english("bench.accum_holds")]
     for k in (k for k in accum_steps if k > 1):
         acc, one = by_knobs[(b, k)], by_knobs[(b * k, 1)]
-        result.notes.append(
-            f"{b * k} images per step: {k} micro-batches of {b} peaked at {acc['peak MiB/device']} MiB against "
-            f"{one['peak MiB/device']} MiB in one batch ({1 - acc['peak MiB/device'] / one['peak MiB/device']:.0%} "
-            f"less), at {acc['img/s'] / one['img/s']:.2f}x its img/s.")
+        result.notes.append(english(
+            "bench.accum_peak", images=b * k, k=k, batch=b, accumulated=acc["peak MiB/device"],
+            large=one["peak MiB/device"], less=1 - acc["peak MiB/device"] / one["peak MiB/device"],
+            ratio=acc["img/s"] / one["img/s"]))
     return result
 
 
@@ -200,12 +181,11 @@ def sweep_size(preset: str | None = None, sizes: tuple[int, ...] | None = None, 
     cfg = bench_config(preset, data_path, **overrides)
     sizes = sizes or ((512, 640, 800, 1024) if torch.cuda.is_available() else (96, 128, 192, 256))
     settings = [(f"{s} px", {"min_size": s, "max_size": s, "shape": "fixed"}) for s in sizes]
-    result = _sweep("size", "Image size against memory and throughput", cfg, settings,
+    result = _sweep("size", english("bench.size_title"), cfg, settings,
                     python_call("bench.sweep_size", preset=preset, sizes=sizes, steps=steps, warmup=warmup,
                                 data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds,
                     process_per_setting=True)
-    result.notes = ["Every image resized to size x size: pixels, compute and activation memory grow with the "
-                    "square of the size (memory.memory_table breaks the memory down).",
+    result.notes = [english("bench.size_square"),
                     knob_note(result.rows, "min_size", "", key="peak MiB/device", moves_with=("max_size",)),
                     knob_note(result.rows, "min_size", "", moves_with=("max_size",))]
     return result
@@ -216,11 +196,10 @@ def sweep_channels_last(preset: str | None = None, steps: int = 16, warmup: int 
     """The backbone in NCHW (default) against NHWC (channels_last)."""
     cfg = bench_config(preset, data_path, **overrides)
     settings = [(f"channels_last={flag}", {"channels_last": flag}) for flag in (False, True)]
-    result = _sweep("channels_last", "Memory format: NCHW vs channels_last", cfg, settings,
+    result = _sweep("channels_last", english("bench.channels_last_title"), cfg, settings,
                     python_call("bench.sweep_channels_last", preset=preset, steps=steps, warmup=warmup,
                                 data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
-    why = ("the convolutions are not what limits this step." if torch.cuda.is_available() else
-           "on a CPU oneDNN reorders tensors into its own blocked layout either way.")
+    why = english("bench.channels_last_gpu" if torch.cuda.is_available() else "bench.channels_last_cpu")
     result.notes.append(knob_note(result.rows, "channels_last", why))
     return result
 
@@ -253,9 +232,8 @@ def sweep_fast_path(preset: str | None = None, steps: int = 12, warmup: int = 3,
         settings = [(label, knobs) for label, knobs in settings if not knobs.get("compile_backbone")]
     if only_compiled:
         settings = [(label, knobs) for label, knobs in settings if not knobs or knobs.get("compile_backbone")]
-    skipped = [("JPEG decode on the device (--decode-on-device)", "the benchmark's shapes data is PNG, which stays "
-                "in the workers; time it with train.py on JPEG photos")]
-    result = _sweep("fast_path", "Beyond the article: the fast path lever by lever", cfg, settings,
+    skipped = [("JPEG decode on the device (--decode-on-device)", english("bench.decode_skipped"))]
+    result = _sweep("fast_path", english("bench.fast_path_title"), cfg, settings,
                     python_call("bench.sweep_fast_path", preset=preset, steps=steps, warmup=warmup,
                                 data_path=data_path, max_seconds=max_seconds, compiled=None if compiled else False,
                                 only_compiled=only_compiled or None, **overrides),
@@ -264,19 +242,11 @@ def sweep_fast_path(preset: str | None = None, steps: int = 12, warmup: int = 3,
     eager = result.rows[0]["img/s"]
     for row in result.rows:
         if row.get("img/s"):
-            row["note"] = f"{row['img/s'] / eager:.2f}x eager"
-    result.notes = [
-        "Each setting in a fresh process; 'warm-up s' is the unmeasured first steps, where torch.compile "
-        "compiles each new input shape" + (" and captures CUDA graphs." if cuda else ".")
-        + " Fixed shapes come with orientation grouping (--aspect-ratio-group-factor 0), so a batch is all "
-        "landscape or all portrait and meets one of two shapes.",
-        "img/s is at the median of the measured steps: steps that met a shape not seen before (and compiled "
-        "again) count in 'img/s all steps'.",
-    ]
+            row["note"] = english("bench.x_eager", ratio=row["img/s"] / eager)
+    result.notes = [english("bench.fast_path_gpu" if cuda else "bench.fast_path_cpu"),
+                    english("bench.fast_path_median")]
     if not cuda:
-        result.notes.append("On a CPU there are no kernel launches to save: compilation only fuses operators for "
-                            "oneDNN, and fixed shapes change how many padded pixels a batch carries (orientation "
-                            "grouping can make that fewer, not more).")
+        result.notes.append(english("bench.fast_path_launches"))
     return result
 
 

@@ -1,0 +1,260 @@
+"""The whole loop with the DataLoader's workers running, against the bare model step on the same
+batches (`python -m maskrcnn_tut.lab.bench pipeline`).
+
+`overhead` feeds batches already in memory, so it cannot see what the loader's workers cost: on a
+machine with few cores their decoding, masks and transforms run on the cores the training threads
+use, and every step pays for that CPU time even when the loader is never waited for. Here one model
+trains in alternating rounds on real files:
+
+- `train.py's loop`: batches from the DataLoader (its workers reading the image files),
+  `engine.train_step`, the schedule, the metrics logger and the straggler check, as train.py calls them;
+- `bare`: forward, summed losses, backward, optimizer step (and the lr schedule's step) on the very
+  batches that round's loop drew, already converted and in memory, with the workers idle.
+
+Per step it records the wall time and the training process's CPU seconds (all its threads), and per
+loop round the workers' CPU seconds (`/proc/<pid>/stat`). `worker_cost` measures the workers alone:
+one epoch of the loader with no model, their CPU seconds per image, and where one image's time goes
+(decode, masks, transforms, and the copy into shared memory that sends it), timed piece by piece in
+this process; masks are what loading with them costs over loading without. Each figure comes with
+the dataset's own make-up (instances per image): a cut shows only against the same data.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ... import distributed as du
+from ...config import derive, make_config
+from ...data.device_decode import apply_transforms
+from ...data.loader import batch_stream, build_dataset, build_train_loader, iterate, to_device
+from ...data.packing import pack
+from ...monitor import MetricsLogger, StragglerCheck
+from ..machine import provenance
+from ..rig import build_rig, shapes_config
+from .results import BenchResult, python_call
+
+LOOPS = ("train.py's loop, workers running", "bare step, same batches")
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (Linux's /proc), or None where there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def workers_cpu_seconds(loader) -> float | None:
+    """CPU seconds the loader's current worker processes have used (None with no workers or no /proc)."""
+    workers = getattr(getattr(loader, "_iterator", None), "_workers", None) or []
+    seconds = [process_cpu_seconds(worker.pid) for worker in workers]
+    return sum(seconds) if seconds and None not in seconds else None
+
+
+def _settings(preset, data_path, workers, batch_size, **overrides):
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if data_path is None:  # the lab's shapes data, written as real PNG files and a COCO json
+        return shapes_config(preset, workers=workers, batch_size=batch_size, **overrides)
+    return make_config(preset, data_path=str(data_path), progress=False,
+                       **{k: v for k, v in dict(workers=workers, batch_size=batch_size, **overrides).items()
+                          if v is not None})
+
+
+def worker_cost(preset: str | None = None, data_path: str | None = None, workers: int | None = None,
+                batch_size: int | None = None, images: int = 64, **overrides) -> dict:
+    """The workers' cost per image with no model running: CPU seconds per image over one pass of
+    `images` images through the training loader, and the same images' decode, masks, transforms and
+    pack timed piece by piece in this process (seconds per image); in this process masks are also
+    transposed, which a worker's pack does instead."""
+    cfg = _settings(preset, data_path, workers, batch_size, **overrides)
+    run = derive(cfg, 1, du.init_distributed().device)
+    dataset = build_dataset(run, "train")
+    loader = build_train_loader(dataset, run, 0, 1)
+    loader.batch_sampler.set_epoch(0)
+    batches = iterate(loader)
+    first = workers_cpu_seconds(next(batches) and loader)  # the workers' start-up is not an image's cost
+    drawn, cpu = 0, None
+    for images_, _ in itertools.islice(batches, max(1, images // run.batch_size)):
+        drawn += len(images_)
+        cpu = workers_cpu_seconds(loader)
+    batches.close()
+    cpu = None if cpu is None or first is None else cpu - first
+    pieces = {"decode": 0.0, "masks": 0.0, "transforms": 0.0, "pack": 0.0}
+    count = min(images, len(dataset))
+    for index in range(count):
+        started = time.perf_counter()
+        dataset.load(index, with_masks=False)
+        decoded = time.perf_counter()
+        image, target = dataset.load(index)
+        loaded = time.perf_counter()
+        sample = apply_transforms(dataset.transforms, image, target, index) if dataset.transforms else (image, target)
+        transformed = time.perf_counter()
+        pack(tuple(zip(sample)))
+        pieces["decode"] += decoded - started
+        pieces["masks"] += max(0.0, loaded - decoded - (decoded - started))
+        pieces["transforms"] += transformed - loaded
+        pieces["pack"] += time.perf_counter() - transformed
+    return {"worker cpu s/image": None if cpu is None else cpu / drawn, "images": drawn,
+            **{f"{name} s/image": seconds / count for name, seconds in pieces.items()}}
+
+
+def pipeline(preset: str | None = None, data_path: str | None = None, workers: int | None = None,
+             batch_size: int | None = None, rounds: int = 3, steps: int = 4, warmup: int = 2,
+             **overrides) -> BenchResult:
+    """Step time, training-process CPU and worker CPU of each loop in `LOOPS` over `rounds` rounds
+    of `steps` steps. Each round first runs its steps untimed (new image shapes set up kernels the
+    first time they are met), then rewinds weights, optimizer, schedule, random state and the
+    loader's position and runs them timed, then rewinds the model again and runs them bare on the
+    batches the loop drew: both timed passes do the same model work, step for step, so a pair's
+    ratio is what the loop and its workers cost."""
+    cfg = _settings(preset, data_path, workers, batch_size, **overrides)
+    du.init_distributed()
+    drawn: list = []
+    rig = build_rig(cfg)
+    stream = rig.batches
+
+    def rewind(position) -> None:
+        """Draw again from `position` (a TrainState): the same batches, through the same workers."""
+        nonlocal stream
+        stream.close()
+        rig.state.__dict__.update(copy.copy(position).__dict__)
+        stream = batch_stream(rig.loader, rig.state)
+        rig.batches = (drawn.append(batch) or batch for batch in stream)
+
+    model, optimizer, device = rig.model, rig.optimizer, rig.device
+
+    losses = {name: [] for name in LOOPS}  # each step's loss: a pair's two must agree (the same work)
+
+    def bare_step(batch) -> None:
+        loss = sum(model(*batch).values())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        rig.scheduler.step()  # the loop's lr, step for step
+        losses[LOOPS[1]].append(float(loss))
+
+    def timed(step) -> tuple[float, float]:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall, cpu = time.perf_counter(), time.process_time()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    with tempfile.TemporaryDirectory() as out:
+        logger = MetricsLogger(Path(out), 10**6, 0, rig.cfg.global_batch, device, rig.cfg.print_freq, progress=False)
+        stragglers, stop = StragglerCheck(every=rig.cfg.print_freq), threading.Event()
+
+        def loop_step() -> None:
+            record = rig.step(stop_requested=stop.is_set())
+            losses[LOOPS[0]].append(record.loss)
+            rig.scheduler.step()
+            logger(record)
+            stragglers(record)
+
+        rewind(rig.state)
+        for _ in range(warmup):
+            loop_step()
+        for batch in drawn[-warmup:]:
+            bare_step(to_device(*batch, device))
+        wall = {name: [] for name in LOOPS}
+        cpu = {name: [] for name in LOOPS}
+        worker_cpu, gaps = [], []
+        for _ in range(rounds):
+            start, position = _snapshot(model, optimizer, rig.scheduler), copy.copy(rig.state)
+            for _ in range(steps):  # untimed: the kernels meet this round's new image shapes here
+                loop_step()
+            seen = [[t["image_id"] for t in batch[1]] for batch in drawn[-steps:]]
+            _restore(model, optimizer, rig.scheduler, start)
+            rewind(position)
+            drawn.clear()
+            before = workers_cpu_seconds(rig.loader)
+            for _ in range(steps):
+                seconds, process = timed(loop_step)
+                wall[LOOPS[0]].append(seconds)
+                cpu[LOOPS[0]].append(process)
+            after = workers_cpu_seconds(rig.loader)
+            if before is not None and after is not None:
+                worker_cpu.append((after - before) / steps)
+            assert [[t["image_id"] for t in batch[1]] for batch in drawn] == seen, "the rewound loader drew other batches"
+            ready = [to_device(*batch, device) for batch in drawn]
+            _restore(model, optimizer, rig.scheduler, start)
+            del losses[LOOPS[1]][:]
+            for batch in ready:
+                seconds, process = timed(lambda: bare_step(batch))
+                wall[LOOPS[1]].append(seconds)
+                cpu[LOOPS[1]].append(process)
+            # a round's first pair starts from the same weights and random state: the same loss, exactly
+            # as far as float rounding goes (later pairs drift apart by the rounding of multi-threaded
+            # kernels, which can change which RoIs get sampled, not how much work a step is)
+            first_loop, first_bare = losses[LOOPS[0]][-steps], losses[LOOPS[1]][0]
+            gaps.append(abs(first_loop - first_bare) / max(abs(first_bare), 1e-12))
+        logger.close()
+    rig.loader = None  # its workers end before the workers alone are measured
+    cost = worker_cost(preset, data_path, workers, batch_size, **overrides)
+    ratios = [a / b for a, b in zip(wall[LOOPS[0]], wall[LOOPS[1]])]
+    lo, mid, hi = _quartiles(ratios)
+    rows = []
+    for name in LOOPS:
+        rows.append({"loop": name, "s/step": statistics.median(wall[name]), "min s": min(wall[name]),
+                     "max s": max(wall[name]), "process CPU s/step": statistics.median(cpu[name]),
+                     "worker CPU s/step": statistics.median(worker_cpu) if worker_cpu and name == LOOPS[0] else None})
+    rows[0].update({"pairs": len(ratios), "loss gap": max(gaps), "vs bare %": 100 * (mid - 1),
+                    "vs bare % lo": 100 * (lo - 1), "vs bare % hi": 100 * (hi - 1),
+                    "worker CPU ms/image": None if cost["worker cpu s/image"] is None
+                    else 1000 * cost["worker cpu s/image"]})
+    images_per_step = rig.cfg.batch_size * rig.cfg.accum_steps
+    notes = [f"{rig.cfg.preset} ({rig.cfg.backbone}-FPN, {rig.cfg.min_size}/{rig.cfg.max_size} px), "
+             f"{images_per_step} images per step from {cfg.data_path}, --workers {rig.cfg.workers}, "
+             f"{torch.get_num_threads()} training threads, on {device}; {rounds} rounds of {steps} steps after "
+             f"{warmup} warm-up steps, each round run once untimed first; each bare step repeats a loop step's "
+             "model work (same weights, batch and random draws).",
+             f"vs bare %: the median over the {len(ratios)} pairs of (loop step / bare step) - 1, with its "
+             "interquartile range (lo, hi); loss gap: the largest relative difference between the two losses of a "
+             "round's first pair, which start from the same weights and random state.",
+             "worker CPU s/step: what the loader's workers used per step during the loop's steps (they "
+             "prefetch, so a round counts a few batches the next one draws).",
+             f"worker CPU ms/image: the workers alone, no model, over {cost['images']} images; one image in this "
+             f"process: decode {1000 * cost['decode s/image']:.2f} ms, masks {1000 * cost['masks s/image']:.2f}, "
+             f"transforms {1000 * cost['transforms s/image']:.2f}, pack into shared memory "
+             f"{1000 * cost['pack s/image']:.2f}."]
+    command = python_call("lab.bench.pipeline", preset=preset, data_path=data_path, workers=workers,
+                          batch_size=batch_size, rounds=rounds, steps=steps, warmup=warmup, **overrides)
+    return BenchResult("pipeline", "The whole loop, DataLoader workers running, against the bare model step",
+                       rows, ["loop", "s/step", "min s", "max s", "vs bare %", "vs bare % lo", "vs bare % hi",
+                              "process CPU s/step", "worker CPU s/step", "worker CPU ms/image", "loss gap"], notes,
+                       provenance(command))
+
+
+def _snapshot(model, optimizer, scheduler) -> tuple:
+    """What a step depends on besides its batch: weights, optimizer and schedule state, random state."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), scheduler.state_dict(),
+            torch.get_rng_state(), cuda)
+
+
+def _restore(model, optimizer, scheduler, snapshot: tuple) -> None:
+    weights, optim, schedule, rng, cuda = snapshot
+    model.load_state_dict(weights)
+    optimizer.load_state_dict(optim)
+    scheduler.load_state_dict(schedule)
+    torch.set_rng_state(rng)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
