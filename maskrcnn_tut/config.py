@@ -53,8 +53,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     # - cudnn.benchmark off (Detectron2's default too): every new input shape is autotuned once, and
     #   varied image sizes and the mask head's varying RoI count bring new shapes for thousands of
     #   steps before the set is exhausted; chapter 6 measures what it costs and gains.
-    # - 4 DataLoader workers per process (torchvision's -j 4), not more: 8 processes of a node already
-    #   need 40 cores for them; chapter 3 says how to divide a machine's cores.
     "gpu-r50": dict(
         backbone="resnet50", norm="gn", min_size=800, max_size=1333,
         fpn_channels=256, mask_head_layers=4, mask_head_channels=256, box_head_dim=1024,
@@ -62,7 +60,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         rpn_pre_nms_top_n=2000, rpn_post_nms_top_n=2000,
         rpn_batch_size_per_image=256, box_batch_size_per_image=512,
         batch_size=2, max_steps=None, epochs=72, optimizer="sgd", lr=0.01,
-        warmup_steps=1000, lr_decay="steps", workers=4, amp=True, bucket_cap_mb=25.0,
+        warmup_steps=1000, lr_decay="steps", amp=True, bucket_cap_mb=25.0,
     ),
 }
 
@@ -136,7 +134,8 @@ class Config:
     amp_dtype: str | None = setting(None, "autocast dtype of --amp: float16 (CUDA only) or bfloat16 (default: "
                                           "float16 on CUDA, bfloat16 on CPU)", choices=("float16", "bfloat16"))
     # data loading
-    workers: int = setting(1, "DataLoader worker processes per training process", bound=">=0")
+    workers: int | None = setting(None, "DataLoader worker processes per training process (default: 1 on CPUs, whose "
+                                        "cores the training threads use; on GPUs its cores less one, <= 4)", bound=">=0")
     persistent_workers: bool = setting(True, "keep DataLoader workers alive between epochs")
     prefetch_factor: int = setting(2, "batches each worker loads ahead", bound=">0")
     pin_memory: bool | None = setting(None, "page-locked host memory for faster copies (default: on with CUDA, "

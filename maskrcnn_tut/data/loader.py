@@ -13,6 +13,7 @@ import atexit
 import bisect
 import multiprocessing
 import multiprocessing.util  # registers the exit hook that `_end_workers_at_exit` must run before
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -31,6 +32,7 @@ from torchvision.transforms import v2
 
 from ..config import require_run
 from ..errors import ConfigError, DataError
+from ..hardware import usable_cores
 from ..preemption import STOP_SIGNALS
 from .coco import LOAD_FAILED_KEY, CocoDetection, coco_paths
 from .device_decode import decode_batch
@@ -140,6 +142,15 @@ def loader_kwargs(workers: int, pin_memory: bool, persistent_workers: bool, pref
     return kwargs
 
 
+def worker_count(cfg) -> int:
+    """--workers, else 1 on CPUs (a worker's CPU comes out of the training threads', which use every core)
+    and on GPUs one less than this process's share of the cores, at least 1, at most 4 (torchvision's -j 4)."""
+    if cfg.workers is not None:
+        return cfg.workers
+    share = usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(4, share - 1)) if require_run(cfg, "worker_count").device.type == "cuda" else 1
+
+
 def build_train_loader(dataset: CocoDetection, cfg, rank: int, world_size: int,
                        device: torch.device | None = None) -> DataLoader:
     """The training DataLoader: DistributedSampler when distributed, optional aspect grouping;
@@ -160,7 +171,7 @@ def build_train_loader(dataset: CocoDetection, cfg, rank: int, world_size: int,
                         f"of --batch-size {cfg.batch_size} on {world_size} process(es) (needs "
                         f"{cfg.batch_size * world_size}): lower --batch-size or use fewer processes")
     return DataLoader(dataset, batch_sampler=ResumableBatches(batches, cfg.seed),
-                      **loader_kwargs(cfg.workers, require_run(cfg, "build_train_loader").pin_memory,
+                      **loader_kwargs(worker_count(cfg), require_run(cfg, "build_train_loader").pin_memory,
                                       cfg.persistent_workers, cfg.prefetch_factor))
 
 
@@ -184,7 +195,7 @@ def build_eval_loader(dataset: CocoDetection, cfg, rank: int, world_size: int) -
     workers as training, started for each evaluation (the GPUs wait for decoding otherwise)."""
     shard = EvalShard(dataset, rank, world_size)
     return DataLoader(shard, batch_size=cfg.batch_size, sampler=SequentialSampler(shard),
-                      **loader_kwargs(cfg.workers, require_run(cfg, "build_eval_loader").pin_memory, False,
+                      **loader_kwargs(worker_count(cfg), require_run(cfg, "build_eval_loader").pin_memory, False,
                                       cfg.prefetch_factor))
 
 
@@ -219,12 +230,6 @@ def steps_per_epoch(loader: DataLoader, accum_steps: int) -> int:
     return max(len(loader.batch_sampler) // accum_steps, 1)
 
 
-def _base_dataset(dataset):
-    while isinstance(dataset, Subset):
-        dataset = dataset.dataset
-    return dataset
-
-
 def _worker_message(err: DataError) -> str:
     """The one-line message of a `DataError` a DataLoader worker raised (the DataLoader re-raises
     it with the worker's traceback in the message)."""
@@ -250,7 +255,9 @@ def iterate(loader: DataLoader) -> Iterator:
     line. The workers start with the job's signals blocked and keep them so: their rank handles
     them (finishes the step, saves), and they end with it (torch's watchdog) or with their loader;
     torch's own handler would end a worker on SIGTERM and fail its rank mid-step."""
-    dataset = _base_dataset(loader.dataset)
+    dataset = loader.dataset
+    while isinstance(dataset, Subset):  # an evaluation shard: its dataset keeps the report
+        dataset = dataset.dataset
     held = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS)  # inherited by the workers forked here
     try:
         batches = iter(loader)

@@ -1,10 +1,7 @@
-"""A worker's batch in one block of shared memory: one copy, one file descriptor.
-
-Left to torch, each tensor a DataLoader worker sends (every sample's image, boxes, labels, masks) is
-a shared-memory file of its own, copied, passed through a socket and mapped again by the training
-process, on the cores its threads use. `pack` copies a batch into one shared block (transposing
-pycocotools' column-major masks in that copy); received, it is the batch again, each tensor a view of
-the block with its type, metadata and layout (masks contiguous; tests/core/test_data_packing.py).
+"""A worker's batch in one block of shared memory: one copy, one file descriptor, not one shared-memory
+file per tensor, each copied, sent through a socket and mapped again by the training process on the cores
+its threads use. Masks are transposed from pycocotools' column-major layout in that copy; received, the
+batch is views of the block with each tensor's type, metadata and layout (tests/core/test_data_packing.py).
 """
 from __future__ import annotations
 
@@ -46,9 +43,8 @@ def pack(columns: tuple) -> PackedBatch:
     slots = {}
     for tensor, offset in zip(tensors, offsets):
         meta = (tensor.format, tensor.canvas_size) if isinstance(tensor, tv_tensors.BoundingBoxes) else ()
-        keep = torch.empty_like(tensor, device="meta").stride()  # the tensor's own layout when dense
-        stride = tuple(math.prod(tensor.shape[i + 1:]) for i in range(tensor.dim())) if isinstance(
-            tensor, tv_tensors.Mask) else keep
+        layout = torch.contiguous_format if isinstance(tensor, tv_tensors.Mask) else torch.preserve_format
+        stride = torch.empty_like(tensor, device="meta", memory_format=layout).stride()  # dense: its own
         slots[id(tensor)] = Slot(offset, tensor.dtype, tuple(tensor.shape), stride, type(tensor), meta)
         _view(block, slots[id(tensor)]).copy_(tensor)
     return PackedBatch(block, _map(columns, lambda tensor: slots[id(tensor)], torch.Tensor))

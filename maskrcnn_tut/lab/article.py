@@ -243,7 +243,7 @@ def reference_recipe() -> list[dict]:
         "lr decay": term("x0.1 at 16/26 and 22/26" if cfg.lr_decay == "steps" else cfg.lr_decay),
         "aspect-ratio grouping": _say("factor", factor=cfg.aspect_ratio_group_factor)
         if cfg.aspect_ratio_group_factor > 0 else term("off"), "AMP": term("on" if cfg.amp else "off"),
-        "DataLoader workers per process": cfg.workers,
+        "DataLoader workers per process": _say("workers_rule") if cfg.workers is None else cfg.workers,
     }
     quote = {name: term(value) if isinstance(value, str) else value for name, value in TORCHVISION_REFERENCE.items()}
     return [{"setting": term(name), "torchvision's reference (quoted)": quoted, "gpu-r50": mine[name],

@@ -166,3 +166,16 @@ def test_evaluation_loads_with_every_worker_and_decodes_no_masks(shapes_root):
         full_image, full = dataset.load(k)
         assert torch.equal(image, full_image) and full["masks"].shape[0] == len(full["boxes"]) > 0
         assert torch.equal(target["boxes"], full["boxes"]) and torch.equal(target["labels"], full["labels"])
+
+
+def test_the_default_worker_count_leaves_the_cores_to_the_training_threads(monkeypatch):
+    """Without --workers: 1 on CPUs (the training threads use every core); on GPUs one less than the
+    process's share of the cores, at least 1 and at most 4; --workers, when given, always wins."""
+    from maskrcnn_tut.data import loader as data_loader
+    cpu, gpu = (derive(make_config("gpu-r50"), 8, device) for device in ("cpu", "cuda"))
+    assert data_loader.worker_count(cpu) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    for cores, expected in [(8, 1), (16, 1), (24, 2), (64, 4)]:
+        monkeypatch.setattr(data_loader, "usable_cores", lambda cores=cores: cores)
+        assert data_loader.worker_count(gpu) == expected, cores
+    assert data_loader.worker_count(derive(make_config("gpu-r50", workers=6), 8, "cuda")) == 6

@@ -177,5 +177,5 @@ def test_chapters_show_measured_prose_in_jupyterlab_and_answer_their_exercises(c
             assert "remove-input" in tags
     if "## Try it" in markdown:
         answers = [c for c in cells if "hide-output" in c.get("metadata", {}).get("tags", [])
-                   and "Answers" in "".join(c["source"])]
+                   and f'"ch{chapter[:2]}.answers"' in "".join(c["source"])]
         assert answers, f"{chapter}: its exercises have no collapsed answer"

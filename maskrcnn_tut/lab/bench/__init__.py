@@ -69,7 +69,7 @@ from .harness import (
     pin_cores,
 )
 from .overhead import overhead
-from .pipeline import pipeline, worker_cost
+from .pipeline import pipeline, worker_cost, workers_alone
 from .projection import scaling_curve
 from .results import BenchResult, load_suite, markdown_table, python_call, results_path
 from .scaling import CPU_TABLE_BATCH, TABLE_COLUMNS, single_device_speed, table
@@ -91,7 +91,8 @@ __all__ = [
     "BENCH_SHAPES", "CPU_TABLE_BATCH", "NO_DIFFERENCE", "SWEEPS", "SWEEP_COLUMNS", "TABLE_COLUMNS", "BenchResult",
     "Measurement", "bench_config", "bench_dataset", "build_parser", "environment", "gpu_suite", "knob_note",
     "launch_measure", "load_suite", "main", "markdown_table", "measure", "measure_worker", "multiscale_sizes",
-    "overhead", "pipeline", "worker_cost", "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
+    "overhead", "pipeline", "worker_cost", "workers_alone",
+    "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
     "above", "cached", "describe_cache", "interval", "machine_busy", "projection", "scaling_curve", "spread_text", "timing_row", "versus",
     "time_to_accuracy", "single_device_speed",

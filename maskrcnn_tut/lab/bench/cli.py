@@ -14,7 +14,7 @@ from ...flags import add_flags
 from .accuracy import time_to_accuracy
 from .gpu import gpu_suite
 from .overhead import overhead
-from .pipeline import pipeline
+from .pipeline import pipeline, workers_alone
 from .scaling import CPU_TABLE_BATCH, table
 from .sweeps import SWEEPS
 
@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline_cmd = commands.add_parser("pipeline", parents=[common], help=pipeline.__doc__.splitlines()[0])
     pipeline_cmd.add_argument("--rounds", type=int, help="rounds of the loop's steps, each repeated bare")
     add_flags(pipeline_cmd, ("amp", "workers"), show_defaults=False)
+    alone_cmd = commands.add_parser("workers", parents=[common], help=workers_alone.__doc__.splitlines()[0])
+    alone_cmd.add_argument("--repeats", type=int, help="measurements, one row each")
+    add_flags(alone_cmd, ("workers",), show_defaults=False)
     accuracy_cmd = commands.add_parser("time-to-accuracy", help=time_to_accuracy.__doc__.splitlines()[0])
     accuracy_cmd.add_argument("--metric", default="segm_AP50", help="an evaluation key (default: segm_AP50)")
     accuracy_cmd.add_argument("--target", type=float, default=0.90, help="the value to reach (default: 0.90)")
@@ -78,6 +81,10 @@ def run(args: argparse.Namespace, command: str) -> int:
     elif args.command == "pipeline":
         options.update({k: getattr(args, k) for k in ("rounds", "amp", "workers") if getattr(args, k) is not None})
         result = pipeline(**options)
+    elif args.command == "workers":
+        options = {k: v for k, v in options.items() if k not in ("steps", "warmup")}
+        options.update({k: getattr(args, k) for k in ("repeats", "workers") if getattr(args, k) is not None})
+        result = workers_alone(**options)
     elif args.command == "overhead":
         options.pop("data_path", None)
         options.update({k: getattr(args, k) for k in ("image_size", "rounds", "amp") if getattr(args, k) is not None})

@@ -34,8 +34,9 @@ import torch
 from ... import distributed as du
 from ...config import derive, make_config
 from ...data.device_decode import apply_transforms
-from ...data.loader import batch_stream, build_dataset, build_train_loader, iterate, to_device
+from ...data.loader import batch_stream, build_dataset, build_train_loader, to_device, worker_count
 from ...data.packing import pack
+from ...engine import TrainState
 from ...monitor import MetricsLogger, StragglerCheck
 from ..machine import provenance
 from ..rig import build_rig, shapes_config
@@ -70,26 +71,26 @@ def _settings(preset, data_path, workers, batch_size, **overrides):
 
 
 def worker_cost(preset: str | None = None, data_path: str | None = None, workers: int | None = None,
-                batch_size: int | None = None, images: int = 64, **overrides) -> dict:
-    """The workers' cost per image with no model running: CPU seconds per image over one pass of
-    `images` images through the training loader, and the same images' decode, masks, transforms and
-    pack timed piece by piece in this process (seconds per image); in this process masks are also
-    transposed, which a worker's pack does instead."""
+                batch_size: int | None = None, images: int = 400, **overrides) -> dict:
+    """The workers' cost per image with no model running: their CPU seconds per image over `images`
+    images through the training loader (epoch after epoch) and the training process's, receiving
+    them; then one epoch's decode, masks, transforms and pack timed piece by piece in this process
+    (seconds per image; here masks are also transposed, which a worker's pack does instead)."""
     cfg = _settings(preset, data_path, workers, batch_size, **overrides)
     run = derive(cfg, 1, du.init_distributed().device)
     dataset = build_dataset(run, "train")
     loader = build_train_loader(dataset, run, 0, 1)
-    loader.batch_sampler.set_epoch(0)
-    batches = iterate(loader)
+    batches = batch_stream(loader, TrainState())
     first = workers_cpu_seconds(next(batches) and loader)  # the workers' start-up is not an image's cost
-    drawn, cpu = 0, None
+    drawn, cpu, main = 0, None, time.process_time()
     for images_, _ in itertools.islice(batches, max(1, images // run.batch_size)):
         drawn += len(images_)
         cpu = workers_cpu_seconds(loader)
+    main = time.process_time() - main
     batches.close()
     cpu = None if cpu is None or first is None else cpu - first
     pieces = {"decode": 0.0, "masks": 0.0, "transforms": 0.0, "pack": 0.0}
-    count = min(images, len(dataset))
+    count = len(dataset)
     for index in range(count):
         started = time.perf_counter()
         dataset.load(index, with_masks=False)
@@ -103,7 +104,7 @@ def worker_cost(preset: str | None = None, data_path: str | None = None, workers
         pieces["masks"] += max(0.0, loaded - decoded - (decoded - started))
         pieces["transforms"] += transformed - loaded
         pieces["pack"] += time.perf_counter() - transformed
-    return {"worker cpu s/image": None if cpu is None else cpu / drawn, "images": drawn,
+    return {"worker cpu s/image": None if cpu is None else cpu / drawn, "main cpu s/image": main / drawn, "images": drawn,
             **{f"{name} s/image": seconds / count for name, seconds in pieces.items()}}
 
 
@@ -140,7 +141,7 @@ def pipeline(preset: str | None = None, data_path: str | None = None, workers: i
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         rig.scheduler.step()  # the loop's lr, step for step
-        losses[LOOPS[1]].append(float(loss))
+        losses[LOOPS[1]].append(float(loss.detach()))
 
     def timed(step) -> tuple[float, float]:
         if device.type == "cuda":
@@ -215,7 +216,7 @@ def pipeline(preset: str | None = None, data_path: str | None = None, workers: i
                     else 1000 * cost["worker cpu s/image"]})
     images_per_step = rig.cfg.batch_size * rig.cfg.accum_steps
     notes = [f"{rig.cfg.preset} ({rig.cfg.backbone}-FPN, {rig.cfg.min_size}/{rig.cfg.max_size} px), "
-             f"{images_per_step} images per step from {cfg.data_path}, --workers {rig.cfg.workers}, "
+             f"{images_per_step} images per step from {cfg.data_path}, --workers {worker_count(rig.cfg)}, "
              f"{torch.get_num_threads()} training threads, on {device}; {rounds} rounds of {steps} steps after "
              f"{warmup} warm-up steps, each round run once untimed first; each bare step repeats a loop step's "
              "model work (same weights, batch and random draws).",
@@ -258,3 +259,20 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
         return values[0], values[0], values[0]
     q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return q1, q2, q3
+
+
+def workers_alone(preset: str | None = None, data_path: str | None = None, workers: int | None = None,
+                  batch_size: int | None = None, repeats: int = 3, images: int = 400, **overrides) -> BenchResult:
+    """`worker_cost` `repeats` times, one row each (ms per image), for a figure with its spread."""
+    rows = []
+    for repeat in range(1, repeats + 1):
+        cost = worker_cost(preset, data_path, workers, batch_size, images, **overrides)
+        rows.append({"repeat": repeat, **{key.replace(" s/image", " ms/image"): None if value is None else 1000 * value
+                                          for key, value in cost.items() if key != "images"}, "images": cost["images"]})
+    command = python_call("lab.bench.workers_alone", preset=preset, data_path=data_path, workers=workers,
+                          batch_size=batch_size, repeats=repeats, images=images, **overrides)
+    notes = ["worker/main cpu: CPU the loader's workers and the training process (receiving) used per image over "
+             f"{images} images of the training loader, no model; the pieces: one epoch timed in one process "
+             "(masks there include the transposition a worker's pack does)."]
+    return BenchResult("workers-alone", "DataLoader workers alone: CPU per image", rows, list(rows[0]), notes,
+                       provenance(command))
