@@ -3,11 +3,13 @@
     python tools/edition.py sync [book/04_dataparallel_vs_ddp.ipynb ...]
 
 For each English chapter `book/NN_name.ipynb`, `book/ja/NN_name.ipynb` gets the English code cells
-(outputs, tags and all) with the one line that differs, `book.set_language("ja")`, and keeps its own
-Japanese markdown cells. A chapter with no Japanese file yet is created with the English markdown,
-to be translated. Both editions' first markdown cell gets the link to the other edition under its
-title. The cells must line up (markdown where markdown, code where code); where an English edit
-added or removed a cell, sync stops and says which, so the translation is edited by hand first.
+(tags and all) with the one line that differs, `book.set_language("ja")`, and keeps its own Japanese
+markdown cells and the outputs of its code cells that did not change (nbval's reference outputs come
+from a Japanese run: `python tools/nb.py --execute book/ja/NN_name.ipynb`). A chapter with no
+Japanese file yet is created with the English markdown, to be translated. Both editions' first
+markdown cell gets the link to the other edition under its title. The cells must line up (markdown
+where markdown, code where code); where an English edit added or removed a cell, sync stops and says
+which, so the translation is edited by hand first.
 tests/lab/test_editions.py checks what sync makes. Not part of the installed package (it needs nbformat).
 """
 from __future__ import annotations
@@ -55,6 +57,8 @@ def sync(english: Path) -> Path:
         new = nbformat.from_dict(dict(cell))
         if cell.cell_type == "code":
             new.source = japanese_code(cell.source)
+            if ja is not None and ja.cells[i].source == new.source:  # unchanged: keep the Japanese run's outputs
+                new.outputs = ja.cells[i].outputs
         elif ja is not None:
             new.source = ja.cells[i].source
         cells.append(new)
