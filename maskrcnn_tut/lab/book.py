@@ -22,9 +22,9 @@ Running and stripping the chapters before committing is `python tools/nb.py [--e
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -77,6 +77,8 @@ def set_language(lang: str) -> None:
     if lang == "ja":
         import matplotlib_fontja  # registers the font and makes it matplotlib's default when imported
         matplotlib_fontja.japanize()  # and again on a later call, after matplotlib's settings were reset
+        # IPAexGothic has one weight: bold labels are drawn regular, which matplotlib would report under every plot
+        logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
 
 
 # --------------------------------------------------------------------------- hardware
@@ -95,8 +97,7 @@ def hardware_summary() -> dict[str, Any]:
                                                min_size=cfg.min_size, batch=cfg.batch_size)}]
     show_table(rows)
     if not hw["gpus"]:
-        text = say("book.no_gpu")
-        print(textwrap.fill(text, 100) if wording.language() == "en" else text)  # Japanese has no spaces to wrap at
+        prose(say("book.no_gpu"))
     return hw
 
 

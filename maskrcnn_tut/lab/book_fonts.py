@@ -2,9 +2,11 @@
 
 A reader whose system has no Japanese font (many Linux desktops, fresh containers) would see empty
 boxes for every kana and kanji. The build copies IPAexGothic, the font matplotlib-fontja ships for the
-Japanese plots, into `_static/` with its licence, and appends it to the theme's font families for
-CJK code points only (`unicode-range`), so Latin text keeps the reader's system font and a system
-Japanese font, where there is one, still comes first. `_config.yml` names this module under
+Japanese plots, into `_static/` with its licence, and puts it first in the theme's text and heading
+font families for CJK code points only (`unicode-range`), so Latin text keeps the reader's system
+font. First, not last: appended after the system fonts, Chromium drew bold Japanese (`<strong>`,
+admonition titles, sidebar captions) as empty boxes on a machine without a Japanese font, regular
+text correctly (checked in headless Chromium, 2026-12-03). `_config.yml` names this module under
 `sphinx.extra_extensions`.
 """
 from __future__ import annotations
@@ -19,11 +21,12 @@ CSS = f"""@font-face {{
   font-family: "{FAMILY}";
   src: url("ipaexg.ttf") format("truetype");
   unicode-range: {CJK_RANGES};
+  font-weight: 100 900;
   font-display: swap;
 }}
 :root {{
-  --pst-font-family-base: var(--pst-font-family-base-system), "{FAMILY}";
-  --pst-font-family-heading: var(--pst-font-family-base-system), "{FAMILY}";
+  --pst-font-family-base: "{FAMILY}", var(--pst-font-family-base-system);
+  --pst-font-family-heading: "{FAMILY}", var(--pst-font-family-base-system);
   --pst-font-family-monospace: var(--pst-font-family-monospace-system), "{FAMILY}";
 }}
 """

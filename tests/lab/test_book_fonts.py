@@ -18,4 +18,4 @@ def test_the_build_copies_the_font_and_appends_it_to_the_themes_families_for_cjk
     assert any((folder / "IPA_Font_License_Agreement_v1.0.txt").exists() for folder in folders)
     css = next((folder / css_files[0]).read_text() for folder in folders if (folder / css_files[0]).exists())
     assert 'url("ipaexg.ttf")' in css and "unicode-range: U+3000-30FF" in css
-    assert "--pst-font-family-heading: var(--pst-font-family-base-system)" in css
+    assert '--pst-font-family-heading: "IPAexGothic (book)", var(--pst-font-family-base-system)' in css

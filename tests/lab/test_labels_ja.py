@@ -78,14 +78,16 @@ def captured_markdown(monkeypatch) -> list[str]:
 # --------------------------------------------------------------------------- the hardware summary
 
 
-def test_hardware_summary_table_and_paragraph(both, monkeypatch, capsys):
+def test_hardware_summary_table_and_paragraph(both, monkeypatch):
     monkeypatch.setattr(book, "hardware", lambda: dict(HARDWARE))
     monkeypatch.setattr(book, "default_preset", lambda: "cpu-tiny")
     tables = captured_markdown(monkeypatch)
 
-    def summary():
+    def summary():  # the table, then the paragraph, both displayed as markdown
         book.hardware_summary()
-        return tables.pop(), capsys.readouterr().out
+        table, text = tables[-2:]
+        del tables[-2:]
+        return table, text
 
     said = both(summary)
     (en_table, en_text), (ja_table, ja_text) = said["en"], said["ja"]
