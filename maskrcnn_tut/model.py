@@ -126,7 +126,7 @@ def compile_backbone(model: MaskRCNN, device_type: str, backend: str = "inductor
     On GPUs mode "reduce-overhead" captures them in CUDA graphs (a few kernel launches instead of
     hundreds at small batches). Every new input shape compiles again: with `--fixed-shapes` a run
     meets at most three; after `RECOMPILE_LIMIT` torch falls back to eager for that part with a
-    warning. `compilations()` counts them. The RoI heads and post-processing stay eager (their
+    warning (tests/compiled.py counts the graphs). The RoI heads and post-processing stay eager (their
     shapes change with every step's proposals).
 
     Both parts compile in place (`nn.Module.compile`), so the state dict keeps its plain keys and a

@@ -41,6 +41,7 @@ from ...monitor import MetricsLogger, StragglerCheck
 from ..machine import provenance
 from ..rig import build_rig, shapes_config
 from .results import BenchResult, python_call
+from .shown import english
 
 LOOPS = ("train.py's loop, workers running", "bare step, same batches")
 
@@ -215,23 +216,17 @@ def pipeline(preset: str | None = None, data_path: str | None = None, workers: i
                     "worker CPU ms/image": None if cost["worker cpu s/image"] is None
                     else 1000 * cost["worker cpu s/image"]})
     images_per_step = rig.cfg.batch_size * rig.cfg.accum_steps
-    notes = [f"{rig.cfg.preset} ({rig.cfg.backbone}-FPN, {rig.cfg.min_size}/{rig.cfg.max_size} px), "
-             f"{images_per_step} images per step from {cfg.data_path}, --workers {worker_count(rig.cfg)}, "
-             f"{torch.get_num_threads()} training threads, on {device}; {rounds} rounds of {steps} steps after "
-             f"{warmup} warm-up steps, each round run once untimed first; each bare step repeats a loop step's "
-             "model work (same weights, batch and random draws).",
-             f"vs bare %: the median over the {len(ratios)} pairs of (loop step / bare step) - 1, with its "
-             "interquartile range (lo, hi); loss gap: the largest relative difference between the two losses of a "
-             "round's first pair, which start from the same weights and random state.",
-             "worker CPU s/step: what the loader's workers used per step during the loop's steps (they "
-             "prefetch, so a round counts a few batches the next one draws).",
-             f"worker CPU ms/image: the workers alone, no model, over {cost['images']} images; one image in this "
-             f"process: decode {1000 * cost['decode s/image']:.2f} ms, masks {1000 * cost['masks s/image']:.2f}, "
-             f"transforms {1000 * cost['transforms s/image']:.2f}, pack into shared memory "
-             f"{1000 * cost['pack s/image']:.2f}."]
+    notes = [english("bench.pipeline_setup", preset=rig.cfg.preset, backbone=rig.cfg.backbone,
+                     min_size=rig.cfg.min_size, max_size=rig.cfg.max_size, images=images_per_step, data=cfg.data_path,
+                     workers=worker_count(rig.cfg), threads=torch.get_num_threads(), device=device, rounds=rounds,
+                     steps=steps, warmup=warmup),
+             english("bench.pipeline_ratio", pairs=len(ratios)), english("bench.pipeline_workers"),
+             english("bench.pipeline_alone", images=cost["images"],
+                     **{piece: f"{1000 * cost[f'{piece} s/image']:.2f}" for piece in ("decode", "masks", "transforms",
+                                                                                      "pack")})]
     command = python_call("lab.bench.pipeline", preset=preset, data_path=data_path, workers=workers,
                           batch_size=batch_size, rounds=rounds, steps=steps, warmup=warmup, **overrides)
-    return BenchResult("pipeline", "The whole loop, DataLoader workers running, against the bare model step",
+    return BenchResult("pipeline", english("bench.pipeline_title"),
                        rows, ["loop", "s/step", "min s", "max s", "vs bare %", "vs bare % lo", "vs bare % hi",
                               "process CPU s/step", "worker CPU s/step", "worker CPU ms/image", "loss gap"], notes,
                        provenance(command))
@@ -271,8 +266,6 @@ def workers_alone(preset: str | None = None, data_path: str | None = None, worke
                                           for key, value in cost.items() if key != "images"}, "images": cost["images"]})
     command = python_call("lab.bench.workers_alone", preset=preset, data_path=data_path, workers=workers,
                           batch_size=batch_size, repeats=repeats, images=images, **overrides)
-    notes = ["worker/main cpu: CPU the loader's workers and the training process (receiving) used per image over "
-             f"{images} images of the training loader, no model; the pieces: one epoch timed in one process "
-             "(masks there include the transposition a worker's pack does)."]
-    return BenchResult("workers-alone", "DataLoader workers alone: CPU per image", rows, list(rows[0]), notes,
+    notes = [english("bench.workers_alone_note", images=images)]
+    return BenchResult("workers-alone", english("bench.workers_alone_title"), rows, list(rows[0]), notes,
                        provenance(command))
