@@ -11,7 +11,6 @@ cache records (`provenance`) is English, so both editions share one cache and on
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import platform
 import re
@@ -39,15 +38,9 @@ def _term(text: str) -> str:
     return wording.term(text)
 
 
-@contextlib.contextmanager
 def in_english():
-    """Inside the block `wording` words everything in English: for what is recorded, not shown."""
-    lang = wording.language()
-    wording.set_language("en")
-    try:
-        yield
-    finally:
-        wording.set_language(lang)
+    """Inside the block this thread words everything in English: for what is recorded, not shown."""
+    return wording.speaking("en")
 
 
 def hardware() -> dict[str, Any]:

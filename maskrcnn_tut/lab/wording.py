@@ -21,15 +21,18 @@ headers, plot labels and short values go through `term`, which looks them up in 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import string
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 LANGUAGES = ("en", "ja")
 PROSE_DIR = Path(__file__).with_name("prose")
 _current = {"lang": "en"}
+_this_thread = threading.local()  # a `speaking` block's language, for its thread only
 
 FASTER, SLOWER, WITHIN_NOISE, NO_SPREAD = "faster", "slower", "within noise", "no spread"
 VERDICTS = (FASTER, SLOWER, WITHIN_NOISE, NO_SPREAD)
@@ -69,7 +72,19 @@ def set_language(lang: str) -> None:
 
 
 def language() -> str:
-    return _current["lang"]
+    return getattr(_this_thread, "lang", None) or _current["lang"]
+
+
+@contextlib.contextmanager
+def speaking(lang: str):
+    """Inside the block this thread words everything in `lang` (what is recorded, in English, say);
+    the book's language and other threads' are untouched."""
+    before = getattr(_this_thread, "lang", None)
+    _this_thread.lang = lang
+    try:
+        yield
+    finally:
+        _this_thread.lang = before
 
 
 @functools.cache
