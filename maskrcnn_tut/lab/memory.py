@@ -35,11 +35,12 @@ from ..hardware import peak_memory_mb
 from ..model import build_model
 from .bench.harness import environment
 from .bench.results import BenchResult, python_call, register_plot
-from .bench.shown import english, register_catalog, shown, term
+from .bench.shown import english, register_catalog, shown
 from .gpus import releases_gpu_cache
 from .machine import current_memory_mb, provenance, reset_peak_memory
 from .rig import Rig, build_rig, synthetic_batches
 from .synthetic import synthetic_batch
+from .wording import term
 
 MIB = 2**20
 #: The GPU the article recommends (RTX 2080 Ti, 11 GB): the default line in `memory_table`'s plot.

@@ -45,9 +45,9 @@ from typing import Callable, Sequence
 from ...data.shapes import default_cache_dir
 from ...monitor import img_per_s_median
 from ..machine import provenance
-from ..wording import interval
+from ..wording import interval, say
 from .results import BenchResult
-from .shown import english, say
+from .shown import english
 
 #: Bump when the cached file's layout changes: older files are then measured again.
 CACHE_VERSION = 1

@@ -202,7 +202,7 @@ def pipeline(preset: str | None = None, data_path: str | None = None, workers: i
             first_loop, first_bare = losses[LOOPS[0]][-steps], losses[LOOPS[1]][0]
             gaps.append(abs(first_loop - first_bare) / max(abs(first_bare), 1e-12))
         logger.close()
-    rig.loader = None  # its workers end before the workers alone are measured
+    stream.close()  # the loop's batches end; its workers sit idle while the workers alone are timed
     cost = worker_cost(preset, data_path, workers, batch_size, **overrides)
     ratios = [a / b for a, b in zip(wall[LOOPS[0]], wall[LOOPS[1]])]
     lo, mid, hi = _quartiles(ratios)

@@ -31,12 +31,12 @@ import torch
 from ...errors import BenchError
 from ...hardware import usable_cores
 from ..machine import provenance
-from ..wording import interval
+from ..wording import interval, say, term
 from .cache import cached
 from .harness import bench_config, launch_measure
 from .results import BenchResult, python_call
 from .scaling import CPU_TABLE_BATCH, table
-from .shown import english, say, shown, term
+from .shown import english, shown
 
 #: GPUs per node before a ring all-reduce has to cross the network between nodes.
 GPUS_PER_NODE = 8

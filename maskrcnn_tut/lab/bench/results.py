@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .shown import say, shown, shown_rows, term
+from ..wording import say, term
+from .shown import shown, shown_rows
 
 
 def _cell(value: Any, floatfmt: str) -> str:

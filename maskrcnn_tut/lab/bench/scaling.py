@@ -14,9 +14,10 @@ from ...errors import BenchError
 from ...hardware import usable_cores
 from ..dataparallel import explain_unavailable
 from ..machine import in_english, provenance
+from ..wording import say
 from .harness import bench_config, launch_measure
 from .results import BenchResult, python_call
-from .shown import english, say, shown
+from .shown import english, shown
 
 TABLE_COLUMNS = ["setup", "processes", "threads/process", "GPUs", "img/s", "peak MiB/device", "total MiB",
                  "speedup", "scaling efficiency", "note"]

@@ -10,7 +10,6 @@ turn, so a note may quote a label). A text that is a `wording.term` is that term
 template matches either stays as it is (a preset's name, a number, a committed file's sentence that
 no template has any more).
 
-`say` and `term` are `wording`'s.
 """
 from __future__ import annotations
 
@@ -19,21 +18,12 @@ import re
 import string
 
 from .. import wording
+from ..wording import term
 
 #: The catalogs whose English is stored and read back (`register_catalog` adds another module's).
 CATALOGS = ["bench", "book", "machine"]
 #: Templates with fewer literal characters than this match too much to be read back.
 MIN_LITERAL = 3
-
-
-def say(key: str, /, **values) -> str:
-    """`wording.say`: the text of `key` in the book's language."""
-    return wording.say(key, **values)
-
-
-def term(text: str) -> str:
-    """`wording.term`: a header, label or short value in the book's language."""
-    return wording.term(text)
 
 
 def register_catalog(name: str) -> None:

@@ -19,9 +19,10 @@ import torch
 from ...config import Config
 from ...hardware import usable_cores
 from ..machine import cpu_has_bf16, provenance
+from ..wording import say
 from .harness import bench_config, launch_measure, multiscale_sizes
 from .results import BenchResult, python_call
-from .shown import english, say, shown
+from .shown import english, shown
 
 SWEEP_COLUMNS = ["setting", "img/s", "img/s all steps", "data ms", "compute ms", "peak MiB/device", "steps", "note"]
 #: A knob whose settings differ by less than this (relative img/s) made no measurable difference.
