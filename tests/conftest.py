@@ -21,6 +21,21 @@ TRAIN_SCRIPT = REPO / "maskrcnn_tut" / "train.py"
 PYTHON = sys.executable
 
 
+def pytest_configure(config):
+    """One figure-cache session for the run: the Japanese chapters read what the English ones measured
+    (lab/figures.py); removed when the run ends."""
+    from maskrcnn_tut.lab import figures
+
+    inherited = figures.session_dir()
+    config.figures_session = None if inherited else figures.start_session()
+
+
+def pytest_unconfigure(config):
+    from maskrcnn_tut.lab import figures
+
+    figures.end_session(getattr(config, "figures_session", None))
+
+
 def pytest_addoption(parser):
     parser.addoption("--all", action="store_true", help="run every tier: unit, system and the chapters (CI)")
 

@@ -52,17 +52,18 @@ LOGGED_FAILURES = 5
 
 
 def read_rgb(path: Path) -> Image.Image:
-    """Decode fully, apply EXIF orientation, and convert any mode (L, P, RGBA, CMYK, I;16, F) to RGB."""
+    """Decode fully, apply EXIF orientation, and convert any mode (L, P, RGBA, CMYK, I;16, F) to RGB
+    (in place: an upright RGB image is not copied, as exif_transpose and convert would each do)."""
     with Image.open(path) as img:
         img.load()
-        img = ImageOps.exif_transpose(img)
+        ImageOps.exif_transpose(img, in_place=True)
         if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
             array = np.asarray(img, dtype=np.float64)
             scale = 1 / 257 if img.mode.startswith("I;16") else 255.0 / max(float(array.max()), 1e-12)
             img = Image.fromarray(np.clip(array * scale, 0, 255).astype(np.uint8))
         if img.mode == "P" and "transparency" in img.info:
             img = img.convert("RGBA")
-        return img.convert("RGB")
+        return img if img.mode == "RGB" else img.convert("RGB")
 
 
 class _View(Sequence):
@@ -213,8 +214,7 @@ class CocoDetection(torch.utils.data.Dataset):
         }
         if with_masks:
             rles = [{"size": [height, width], "counts": inst[5]} for inst in instances]
-            # pycocotools decodes column-major (H, W, N): a DataLoader worker's copy into shared memory
-            # transposes it (`packing.pack`); this process transposes it here
+            # pycocotools decodes column-major (H, W, N): a worker's `packing.pack` transposes it, this process here
             masks = (torch.from_numpy(mask_utils.decode(rles)).permute(2, 0, 1) if instances
                      else torch.zeros((0, height, width), dtype=torch.uint8))
             target["masks"] = tv_tensors.Mask(masks if get_worker_info() else masks.contiguous())

@@ -67,6 +67,7 @@ from .harness import (
     measure_worker,
     multiscale_sizes,
     pin_cores,
+    training_losses,
 )
 from .overhead import overhead
 from .pipeline import pipeline, worker_cost, workers_alone
@@ -95,5 +96,5 @@ __all__ = [
     "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
     "above", "cached", "describe_cache", "interval", "machine_busy", "projection", "scaling_curve", "spread_text", "timing_row", "versus",
-    "time_to_accuracy", "single_device_speed",
+    "time_to_accuracy", "single_device_speed", "training_losses",
 ]

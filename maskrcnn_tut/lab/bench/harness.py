@@ -177,6 +177,14 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
         steps_per_epoch=len(rig.loader.batch_sampler) // cfg.accum_steps, lr=cfg.scaled_lr, warmup_times=warm_times)
 
 
+def training_losses(cfg: Config, steps: int = 10, warmup: int = 2) -> list[float]:
+    """The loss of each measured step of `measure(cfg, steps, warmup)`: two runs compared step by step
+    (precisions, or the same run twice for determinism) start from the same weights and batches."""
+    losses = []
+    measure(cfg, steps=steps, warmup=warmup, callbacks=[lambda record: losses.append(record.loss)])
+    return losses
+
+
 def pin_cores(threads: int) -> list[int] | None:
     """Bind this process to its own `threads` cores (rank r gets the r-th slice of the usable
     cores), so processes of one setup never share a core; None where that is not possible."""
