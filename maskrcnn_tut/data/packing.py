@@ -39,7 +39,7 @@ def pack(columns: tuple) -> PackedBatch:
     offsets = [0]
     for tensor in tensors:  # each tensor on a cache line of its own
         offsets.append(offsets[-1] + -(-tensor.numel() * tensor.element_size() // 64) * 64)
-    block = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(offsets[-1]))  # born shared, not copied there
+    block = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(offsets[-1]))  # never copied
     slots = {}
     for tensor, offset in zip(tensors, offsets):
         meta = (tensor.format, tensor.canvas_size) if isinstance(tensor, tv_tensors.BoundingBoxes) else ()
