@@ -51,6 +51,8 @@ SMALL_BUCKET_MB = 25.0
 NO_SYNC_ACCUM = 2
 PHASES = ("single", "ddp", "ddp_small_buckets", "ddp_no_sync")
 STEP, FORWARD, DATA = "train_step", "forward", "data: next batch"
+#: The phase whose every event a trace keeps, for the Perfetto file (`save_trace`).
+SAVED_PHASE = "ddp"
 COMM_PREFIXES = ("gloo:", "nccl:")
 
 
@@ -226,7 +228,8 @@ class DDPTrace:
     steps: dict[str, list[list[dict]]]  # phase -> [rank][step] -> row
     bucket_cap_mb: float
     batch_size: int
-    events: dict[str, list[list[dict]]] = field(repr=False, default_factory=dict)  # phase -> [rank] -> events
+    # phase -> [rank] -> events: all of SAVED_PHASE's (`save_trace`), the `drawn` ones of the others (a tenth)
+    events: dict[str, list[list[dict]]] = field(repr=False, default_factory=dict)
     hardware: str = ""
 
     def rows(self, phase: str) -> list[dict]:
@@ -299,9 +302,18 @@ def ddp_trace(preset: str = "cpu-tiny", steps: int = 2, warmup: int = 1, batch_s
         processes.launch(trace_worker, 2, cfg, steps, warmup, folder, backend="gloo")
         events = {phase: [json.loads(path.read_text())["traceEvents"]
                           for path in sorted(Path(folder).glob(f"{phase}.*.json"))] for phase in PHASES}
+    kept = {phase: ranks if phase == SAVED_PHASE else [[e for e in ev if drawn(e)] for ev in ranks]
+            for phase, ranks in events.items()}
     return DDPTrace(steps={phase: [step_phases(ev) for ev in events[phase]] for phase in PHASES},
-                    bucket_cap_mb=cfg.bucket_cap_mb, batch_size=batch_size, events=events,
+                    bucket_cap_mb=cfg.bucket_cap_mb, batch_size=batch_size, events=kept,
                     hardware=cpu_label(2))
+
+
+def drawn(event: dict) -> bool:
+    """Whether `trace_plots.plot_steps` draws the event: the step, its data and forward spans, the
+    optimizer step, the buffer broadcasts."""
+    name = event.get("name", "")
+    return name in (STEP, DATA, FORWARD) or name.startswith("Optimizer.step") or name.endswith(":broadcast")
 
 
 def buffer_sync_words(broadcasts_per_step: float) -> str:
@@ -319,7 +331,7 @@ def cpu_label(processes: int) -> str:
     return wording.say("traces.cpu_label", processes=processes, cpu=hardware()["cpu"])
 
 
-def save_trace(trace: DDPTrace, path: Path | str, phase: str = "ddp") -> Path:
+def save_trace(trace: DDPTrace, path: Path | str, phase: str = SAVED_PHASE) -> Path:
     """Both ranks' events of `phase` in one gzipped Chrome-trace file (one process row per rank)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -327,6 +339,6 @@ def save_trace(trace: DDPTrace, path: Path | str, phase: str = "ddp") -> Path:
     for rank, events in enumerate(trace.events[phase]):
         pids = {e.get("pid") for e in events}
         merged += [{**e, "pid": f"rank {rank}"} if e.get("pid") in pids else e for e in events]
-    with gzip.open(path, "wt") as out:
-        json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, out)
+    # encoded whole, then compressed: json.dump's many small writes through gzip took seconds
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}).encode(), compresslevel=6))
     return path
