@@ -5,6 +5,7 @@ returns the figures a chapter quotes with a verdict from `wording`; the chapter 
 sentences. Nothing here measures, so every branch is tested with hand-made rows.
 
 - `loader(sweep)`: DataLoader workers against none (chapter 3).
+- `workers_alone(after, before)`: the workers' CPU per image, and the training process's, against earlier code (chapter 3).
 - `own_work(summary)`: the DDP trace's ranks against one process alone (chapter 4).
 - `against_first(result)`: every measured setting of a sweep against its first row (chapter 5).
 - `cudnn(sweep)`: fixed against varying image sizes, and cudnn.benchmark on against off (chapter 6).
@@ -14,6 +15,7 @@ sentences. Nothing here measures, so every branch is tested with hand-made rows.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from . import wording
@@ -76,6 +78,20 @@ def loader(sweep) -> dict:
 
 
 # --------------------------------------------------------------------------- chapter 4
+
+
+def workers_alone(after, before) -> dict:
+    """Two `bench workers` results (repeats of the workers alone): the medians per image of the workers'
+    CPU and the training process's (receiving), and `lighter`: which of them ("both", "workers", "main" or
+    "neither") used less in every repeat after than in every repeat before (medians of a few noisy repeats
+    can differ by chance)."""
+    found, lower = {"repeats": len(after.rows)}, []
+    for key, name in (("worker cpu ms/image", "workers"), ("main cpu ms/image", "main")):
+        now, then = [row[key] for row in after.rows], [row[key] for row in before.rows]
+        found[f"{name} after"], found[f"{name} before"] = statistics.median(now), statistics.median(then)
+        lower += [name] if max(now) < min(then) else []
+    found["lighter"] = {0: "neither", 2: "both"}.get(len(lower)) or lower[0]
+    return found
 
 
 def own_work(summary: dict) -> dict:

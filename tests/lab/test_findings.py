@@ -337,3 +337,20 @@ def test_a_busy_machine_makes_every_table_comparison_within_noise():
     assert "70% of this machine's cores busy" in verdicts["result"]
     assert "measured on a busy machine, so what the all-reduce cost cannot be told" in verdicts["allreduce"]
     assert verdicts["threads"].endswith("within noise of DDP.")
+
+
+def _alone(workers: list[float], main: list[float]) -> BenchResult:
+    return BenchResult("workers", "t", [{"worker cpu ms/image": w, "main cpu ms/image": m} for w, m in zip(workers, main)], [])
+
+
+@pytest.mark.parametrize("workers_after, main_after, lighter", [
+    ([5.0, 5.2], [0.7, 0.8], "both"),        # every repeat below every earlier one, for both
+    ([5.0, 6.5], [0.7, 0.8], "main"),        # one worker repeat inside the earlier range
+    ([5.0, 5.2], [0.7, 0.95], "workers"),
+    ([6.2, 6.9], [0.9, 1.0], "neither"),
+])
+def test_workers_alone_names_only_what_every_repeat_lowered(workers_after, main_after, lighter):
+    found = speed_findings.workers_alone(_alone(workers_after, main_after), _alone([6.1, 6.8, 7.0], [0.9, 1.0, 1.1]))
+    assert found["lighter"] == lighter
+    assert found["workers before"] == 6.8 and found["main before"] == 1.0 and found["repeats"] == 2
+    assert found["workers after"] == pytest.approx(sum(workers_after) / 2)
