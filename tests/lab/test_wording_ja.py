@@ -312,3 +312,19 @@ def test_every_catalog_has_both_languages_with_the_same_placeholders():
             assert all(isinstance(entry.get(lang), str) for lang in wording.LANGUAGES), (path.name, name)
             assert entry["ja"] or not entry["en"].strip(), (path.name, name)  # only a separator may be empty
             assert wording.placeholders(entry["en"]) == wording.placeholders(entry["ja"]), (path.name, name)
+
+
+def test_the_core_straggler_warning_is_shown_in_japanese(ja):
+    """monitor.StragglerCheck words its warning in English (the core has no wording); a chapter's
+    table shows it in Japanese through bench.json's `straggler_warning`, numbers unchanged."""
+    from maskrcnn_tut.engine import StepRecord
+    from maskrcnn_tut.monitor import StragglerCheck
+
+    check = StragglerCheck(every=3, threshold=1.2)
+    for step in range(1, 4):
+        check(StepRecord(step=step, epoch=0, lr=0.1, loss=1.0, terms={}, data_time=0.0, iter_time=1.0,
+                         rank_forward_times=[0.1, 0.1, 0.16]))
+    warning = check.warnings[0]
+    assert shown(warning) == wording.say("bench.straggler_warning", slow=2, ratio="1.60", first=1, last=3,
+                                         slow_s="0.160", median_s="0.100")
+    assert_japanese("bench", warning, shown(warning), ("forward", "all-reduce", "distributedsampler", "cpu"))
