@@ -17,4 +17,6 @@ It imports the training core (`maskrcnn_tut`); the core never imports it (tests/
   distributed work on a hub, a stalled rank diagnosed; `dataparallel`: DataParallel for detection
   lists; `synthetic`: synthetic batches.
 - `book`, `dashboard`: the chapters' display helpers and the live training view.
+- `wording` (with `prose/`), `book_fonts`: the two editions' words and the Japanese pages' font;
+  `figures`: one measurement of each figure per build, which the Japanese chapters read back.
 """
