@@ -51,8 +51,9 @@ def session_dir() -> Path | None:
 
 def start_session() -> Path:
     """Start a session for this process and the kernels it starts (unless one is already running)."""
-    if session_dir() is not None and session_dir().is_dir():
-        return session_dir()
+    running = session_dir()
+    if running is not None and running.is_dir():
+        return running
     root = default_cache_dir() / "figures"
     root.mkdir(parents=True, exist_ok=True)
     for old in root.iterdir():

@@ -4,10 +4,10 @@
 - `versions()`, `provenance(command)`: the software stack, and what every results file records
   (hardware, versions, date, command).
 - `environment_report()`: chapter 2's table (interconnect included, read through `gpus`).
-- `in_english()`: a block whose words are English whatever the book's language (what is recorded).
 
 Labels and table values are in the book's language (`wording`); what a results file or the bench
-cache records (`provenance`) is English, so both editions share one cache and one file format.
+cache records (`provenance`, worded inside `wording.speaking("en")`) is English, so both editions
+share one cache and one file format.
 """
 from __future__ import annotations
 
@@ -36,11 +36,6 @@ def _say(entry: str, **values) -> str:
 
 def _term(text: str) -> str:
     return wording.term(text)
-
-
-def in_english():
-    """Inside the block this thread words everything in English: for what is recorded, not shown."""
-    return wording.speaking("en")
 
 
 def hardware() -> dict[str, Any]:
@@ -77,7 +72,7 @@ def versions() -> dict[str, str | None]:
 def provenance(command: str) -> dict[str, Any]:
     """Where and how a result was measured: hardware, software versions, date and command (in English)."""
     hw = hardware()
-    with in_english():
+    with wording.speaking("en"):  # recorded, not shown
         return {"hardware": hardware_label(), "cpu": hw["cpu"], "cores": hw["cores"], "ram_gb": hw["ram_gb"],
                 "gpus": hw["gpus"], "gpu_count": len(hw["gpus"]), "gpu_memory_gb": hw["gpu_memory_gb"],
                 "cpu_bf16": cpu_has_bf16(), **versions(),

@@ -77,9 +77,6 @@ def loader(sweep) -> dict:
             "most": most, "compute trend": change, "spread": spread, "trend": trend}
 
 
-# --------------------------------------------------------------------------- chapter 4
-
-
 def workers_alone(after, before) -> dict:
     """Two `bench workers` results (repeats of the workers alone): the medians per image of the workers'
     CPU and the training process's (receiving), and `lighter`: which of them ("both", "workers", "main" or
@@ -90,8 +87,11 @@ def workers_alone(after, before) -> dict:
         now, then = [row[key] for row in after.rows], [row[key] for row in before.rows]
         found[f"{name} after"], found[f"{name} before"] = statistics.median(now), statistics.median(then)
         lower += [name] if max(now) < min(then) else []
-    found["lighter"] = {0: "neither", 2: "both"}.get(len(lower)) or lower[0]
+    found["lighter"] = "both" if len(lower) == 2 else lower[0] if lower else "neither"
     return found
+
+
+# --------------------------------------------------------------------------- chapter 4
 
 
 def own_work(summary: dict) -> dict:

@@ -13,8 +13,8 @@ import torch
 from ...errors import BenchError
 from ...hardware import usable_cores
 from ..dataparallel import explain_unavailable
-from ..machine import in_english, provenance
-from ..wording import say
+from ..machine import provenance
+from ..wording import say, speaking
 from .harness import bench_config, launch_measure
 from .results import BenchResult, python_call
 from .shown import english, shown
@@ -75,7 +75,7 @@ def table(preset: str | None = None, nprocs: int | None = None, steps: int = 16,
             add(f"DDP({n})", n, None, n, n)
         else:
             asked = english("bench.not_measured_nprocs", gpus=gpus)
-            with in_english():
+            with speaking("en"):
                 rows.append({"setup": "DP", "note": asked if gpus >= 2 else explain_unavailable(gpus)})
             rows.append({"setup": "DDP", "note": asked if gpus >= 2 else _ddp_unavailable(gpus)})
             notes.append(english("bench.single_gpu_only_nprocs") if gpus >= 2 else
@@ -87,7 +87,7 @@ def table(preset: str | None = None, nprocs: int | None = None, steps: int = 16,
         all_threads = min(n * per_process, cores)
         if all_threads > per_process:
             add(_threads("single", all_threads), 1, all_threads, None, all_threads, note=english("bench.all_cores"))
-        with in_english():
+        with speaking("en"):
             rows.append({"setup": f"DP({n})", "processes": 1, "note": explain_unavailable(0).split(". On")[0]})
         if n >= 2:
             used = min(n * per_process, cores)
