@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,7 +96,9 @@ def _profiled_steps(rig: Rig, steps: int, warmup: int, path: Path) -> None:
     rig.batches = _labelled_batches(rig.batches)
     for _ in range(warmup):
         rig.step()
-    with _quiet_stderr():
+    with _quiet_stderr(), warnings.catch_warnings():
+        # torch 2.11 warns that a profile without acc_events keeps one cycle's events: the one it records
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
         prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)  # shapes: each bucket's size
         prof.start()
     for _ in range(steps):

@@ -50,7 +50,8 @@ def test_the_compiled_rows_get_their_minutes_only_when_the_budget_has_them():
 def test_the_suite_writes_its_file_after_every_part_and_bounds_each_through_the_launcher(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(gpu, "provenance", lambda command: {"hardware": "1x Test GPU", "date": "2026-12-02T00:00"})
+    monkeypatch.setattr(gpu, "provenance", lambda command: {"hardware": "1x Test GPU", "date": "2026-12-02T00:00",
+                                                               "command": command})
     seen = []
 
     def fake(name):
@@ -80,6 +81,19 @@ def test_the_suite_writes_its_file_after_every_part_and_bounds_each_through_the_
     assert data["provenance"]["skipped_for_time"] == ["fast_path_compiled"]  # < COMPILED_LEFT_S left
     assert set(data["provenance"]["seconds"]) == set(order)
 
+    # a second run of the part that failed keeps the day's other parts and says what ran before
+    seen.clear()
+    monkeypatch.setattr(gpu, "sweep_cudnn", fake("cudnn again"))
+    assert gpu.gpu_suite(2, tmp_path, parts=["cudnn"]) == path
+    assert [name for name, *_ in seen] == ["cudnn again"]
+    again = json.loads(path.read_text())
+    assert again["results"] == {**data["results"], "cudnn": {"rows": ["cudnn again"]}}
+    assert set(again["provenance"]["seconds"]) == set(order)
+    assert again["provenance"]["command"].endswith("--parts cudnn")
+    assert again["provenance"]["earlier_commands"] == [f"2026-12-02T00:00: {data['provenance']['command']}"]
+    with pytest.raises(BenchError, match="no part named cudnnn"):
+        gpu.gpu_suite(2, tmp_path, parts=["cudnnn"])
+
 
 def test_launch_measure_ends_within_its_launch_deadline(monkeypatch):
     asked = {}
@@ -89,6 +103,25 @@ def test_launch_measure_ends_within_its_launch_deadline(monkeypatch):
     assert 4 < asked["timeout_s"] <= 5
     with harness.launch_deadline(-1), pytest.raises(BenchError, match="no time left"):
         harness.launch_measure(None, 1, [{}], threads=1)
+
+
+def test_a_setting_stops_at_its_deadline_after_one_measured_step_at_least():
+    cfg = harness.bench_config("cpu-tiny", workers=0)
+    started = time.monotonic()
+    cut = harness.measure(cfg, steps=500, warmup=2, deadline=started + 1.0)
+    assert cut.cut and 1 <= len(cut.iter_times) < 500 and time.monotonic() - started < 30
+    whole = harness.measure(cfg, steps=2, warmup=1, deadline=time.monotonic() + 600)
+    assert not whole.cut and len(whole.iter_times) == 2
+
+
+def test_one_process_shares_the_launch_time_among_its_settings(monkeypatch):
+    deadlines = []
+    monkeypatch.setattr(harness, "pin_cores", lambda threads: None)
+    monkeypatch.setattr(harness, "measure", lambda cfg, **options: deadlines.append(options["deadline"]))
+    until = time.monotonic() + 40
+    harness.measure_worker(harness.bench_config("cpu-tiny"), [{}, {}, {}, {}], until)
+    # the measure stub returns at once, so each setting in turn gets a quarter, a third, a half, all of what is left
+    assert [round(d - until + 40 * (1 - share)) for d, share in zip(deadlines, (1 / 4, 1 / 3, 1 / 2, 1))] == [0] * 4
 
 
 def test_the_chapters_rotate_by_day_unless_named():

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--suite", choices=["gpu"], help="one bounded run of everything on a GPU machine")
     parser.add_argument("--max-minutes", type=float, default=8.0, help="time budget of --suite gpu")
     parser.add_argument("--results-dir", default="book/results", help="where --suite gpu writes its JSON")
+    parser.add_argument("--parts", help="with --suite gpu: only these parts, comma-separated (table, amp, cudnn, "
+                                        "channels_last, fast_path, fast_path_compiled); the day's file keeps the others")
     commands = parser.add_subparsers(dest="command", metavar="NAME")
     common = argparse.ArgumentParser(add_help=False)
     add_flags(common, SETTINGS, show_defaults=False)
@@ -68,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, command: str) -> int:
     if args.suite == "gpu":
-        print(f"wrote {gpu_suite(args.max_minutes, args.results_dir)}")
+        parts = args.parts.split(",") if args.parts else None
+        print(f"wrote {gpu_suite(args.max_minutes, args.results_dir, parts=parts)}")
         return 0
     if args.command is None:
         build_parser().print_help()

@@ -25,6 +25,7 @@ from maskrcnn_tut.lab import processes
 
 from ... import distributed as du
 from ...config import Config
+from ...engine import advance_schedule
 from ...errors import BenchError
 from ...hardware import peak_memory_mb, usable_cores
 from ...monitor import img_per_s_mean, img_per_s_median
@@ -34,7 +35,7 @@ from ..rig import LONG_SCHEDULE, SHAPES_SIZES, build_rig, shapes_config, shapes_
 from .cache import timing_row
 
 SHAPES = ("natural", "fixed", "varying")
-MEASURE_OPTIONS = ("steps", "warmup", "threads", "shape", "dataparallel", "sync_gradients", "max_seconds")
+MEASURE_OPTIONS = ("steps", "warmup", "threads", "shape", "dataparallel", "sync_gradients", "max_seconds", "deadline")
 #: The benchmark's shapes dataset (`rig.SHAPES_SIZES`).
 BENCH_SHAPES = SHAPES_SIZES["bench"]
 
@@ -80,6 +81,7 @@ class Measurement:
     steps_per_epoch: int = 0
     lr: float = 0.0  # the derived peak lr (scaled to the global batch, as in train.py)
     warmup_times: list[float] = field(default_factory=list)  # not measured: first steps, compilation
+    cut: bool = False  # stopped at its deadline, with fewer steps than planned
 
     @property
     def img_per_s(self) -> float:
@@ -97,6 +99,7 @@ class Measurement:
         compute = [t - d for t, d in zip(self.iter_times, self.data_times)]
         starts = [self.data_times[i] for i in self.epoch_starts]
         return {**timing_row(self.iter_times, self.images_per_step), "img/s all steps": self.img_per_s_all_steps,
+                "data s": [round(t, 5) for t in self.data_times],  # which slow steps waited for their batch
                 "data ms": round(1000 * statistics.median(self.data_times), 1),
                 "compute ms": round(1000 * statistics.median(compute), 1),
                 "epoch-start data ms": round(1000 * statistics.fmean(starts), 1) if starts else None,
@@ -119,7 +122,7 @@ def _dataparallel_gpus(dataparallel: bool | int) -> int:
 
 def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | None = None, shape: str = "natural",
             dataparallel: bool | int = False, sync_gradients: bool = True, max_seconds: float | None = None,
-            callbacks: list[Callable] = ()) -> Measurement:
+            deadline: float | None = None, callbacks: list[Callable] = ()) -> Measurement:
     """Train `warmup + steps` steps of the config's model in this process (or the group it joined)
     and time the last `steps` (with `max_seconds`, as many as the warm-up's pace fits, at least 3).
 
@@ -128,7 +131,10 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
     drives every GPU (True) or the first N (an int) through `DetectionDataParallel`, batch_size
     images per GPU. threads: torch's CPU threads for this process (left set afterwards).
     sync_gradients=False: processes of a group train without DDP (no gradient all-reduce), which
-    isolates what the all-reduce costs. callbacks get every measured `StepRecord`.
+    isolates what the all-reduce costs. callbacks get every measured `StepRecord`. deadline (a
+    `time.monotonic()` time, one process only): the warm-up stops at half the time left and the measured
+    steps at the deadline, after one step at least (`Measurement.cut`), for settings whose steps can take
+    far longer than the warm-up's pace says (every new image shape autotuned with cudnn.benchmark).
     """
     if shape not in SHAPES:
         raise ValueError(f"shape must be natural, fixed or varying, got {shape!r}")
@@ -151,10 +157,16 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
     if shape == "fixed":
         rig.batches = _square_batches(rig.batches, cfg.min_size)
     devices = [torch.device("cuda", i) for i in range(n_dp)] if n_dp > 1 else [device]
-    warm_times = []
+    if deadline is not None and info.world_size > 1:
+        raise ValueError("measure(deadline=) needs one process: ranks would stop at different steps")
+    warm_until = None if deadline is None else time.monotonic() + (deadline - time.monotonic()) / 2
+    warm_times, cut = [], False
     for _ in range(warmup):
         warm_times.append(rig.step().iter_time)
-        rig.scheduler.step()
+        advance_schedule(rig.scheduler)
+        if warm_until is not None and time.monotonic() > warm_until:
+            cut = True
+            break
     if max_seconds and warm_times:  # rank 0 plans the step count, so every rank stops at the same step
         steps = du.broadcast_object(min(steps, max(3, int(max_seconds / statistics.median(warm_times)))))
     for dev in devices:
@@ -162,9 +174,12 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
     records = []
     for _ in range(steps):
         records.append(rig.step())
-        rig.scheduler.step()
+        advance_schedule(rig.scheduler)
         for callback in callbacks:
             callback(records[-1])
+        if deadline is not None and time.monotonic() > deadline and len(records) < steps:
+            cut = True
+            break
     mine = {"iter": [r.iter_time for r in records], "peak": [peak_memory_mb(d) for d in devices]}
     ranks = du.all_gather_objects(mine)
     epochs = [r.epoch for r in records]
@@ -174,7 +189,8 @@ def measure(cfg: Config, steps: int = 20, warmup: int = 3, *, threads: int | Non
         data_times=[r.data_time for r in records],
         epoch_starts=[i for i in range(1, len(epochs)) if epochs[i] != epochs[i - 1]],
         peak_memory_mb=[peak for r in ranks for peak in r["peak"]],
-        steps_per_epoch=len(rig.loader.batch_sampler) // cfg.accum_steps, lr=cfg.scaled_lr, warmup_times=warm_times)
+        steps_per_epoch=len(rig.loader.batch_sampler) // cfg.accum_steps, lr=cfg.scaled_lr, warmup_times=warm_times,
+        cut=cut)
 
 
 def training_losses(cfg: Config, steps: int = 10, warmup: int = 2) -> list[float]:
@@ -199,14 +215,18 @@ def pin_cores(threads: int) -> list[int] | None:
     return mine
 
 
-def measure_worker(cfg: Config, runs: list[dict]) -> list[Measurement]:
+def measure_worker(cfg: Config, runs: list[dict], until: float | None = None) -> list[Measurement]:
     """Run inside `processes.launch`: pin this process to its cores, then `measure(cfg with the
-    run's overrides, **the run's options)` for each run in turn; rank 0's results are the group's."""
+    run's overrides, **the run's options)` for each run in turn; rank 0's results are the group's.
+    until (a `time.monotonic()` time, one process only): each run gets an equal share of the time left
+    as its `deadline`, so one slow setting cannot cost the others theirs."""
     pin_cores(runs[0].get("threads") or 1)
     results = []
-    for run in runs:
+    for i, run in enumerate(runs):
         overrides = {k: v for k, v in run.items() if k not in MEASURE_OPTIONS}
         options = {k: v for k, v in run.items() if k in MEASURE_OPTIONS}
+        if until is not None and du.info().world_size == 1:
+            options["deadline"] = time.monotonic() + (until - time.monotonic()) / (len(runs) - i)
         results.append(measure(dataclasses.replace(cfg, **overrides), **options))
     return results
 
@@ -228,6 +248,8 @@ def environment(**variables: str):
 
 #: The monotonic times set by `launch_deadline` blocks, innermost last.
 _DEADLINES: list[float] = []
+#: The share of a one-process launch's time kept for a last step that runs over its setting's deadline.
+DEADLINE_MARGIN = 0.25
 
 
 @contextlib.contextmanager
@@ -246,10 +268,12 @@ def launch_measure(cfg: Config, nprocs: int, runs: list[dict], threads: int | No
     its share of the usable cores). A worker's failure is raised as a one-line `WorkerError`."""
     threads = threads or max(1, usable_cores() // nprocs)
     runs = [{"threads": threads, **run} for run in runs]
-    timeout = {}
+    timeout, until = {}, None
     if _DEADLINES:
         timeout["timeout_s"] = _DEADLINES[-1] - time.monotonic()
         if timeout["timeout_s"] <= 0:
             raise BenchError("no time left for this measurement (its launch_deadline has passed)")
+        # one process shares the time among its settings, keeping a margin for a step that runs over
+        until = _DEADLINES[-1] - DEADLINE_MARGIN * timeout["timeout_s"] if nprocs == 1 else None
     with environment(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)):
-        return processes.launch(measure_worker, nprocs, cfg, runs, **timeout)
+        return processes.launch(measure_worker, nprocs, cfg, runs, until, **timeout)

@@ -43,7 +43,8 @@ def _sweep(name: str, title: str, cfg: Config, settings: list[tuple[str, dict]],
         measurements = launch_measure(cfg, 1, runs) if runs else []
     rows = []
     for (label, knobs), measurement in zip(settings, measurements):
-        rows.append({"setting": label, **measurement.row(), "note": "", "knobs": knobs})
+        note = english("bench.cut_short", steps=len(measurement.iter_times)) if measurement.cut else ""
+        rows.append({"setting": label, **measurement.row(), "note": note, "knobs": knobs})
         print(say("bench.sweep_progress", name=name, setting=shown(label), speed=rows[-1]["img/s"],
                   mb=rows[-1]["peak MiB/device"]), flush=True)
     rows += [{"setting": label, "note": why} for label, why in skipped]
