@@ -358,34 +358,6 @@ def setting_explorer(measure: Callable[..., Any], options: dict[str, Sequence], 
     plt.close(fig)
 
 
-def show_gpu_results(folder: Path | str = RESULTS) -> None:
-    """Every GPU suite file in `folder` (`bench.gpu_suite`): its machine, date and commands, each part's table
-    with the spread of its steps and its notes, then the parts that failed or did not fit the time."""
-    import json
-
-    from IPython.display import Markdown, display
-
-    from .bench import load_suite
-    from .bench.cache import add_spread
-    paths = sorted(Path(folder).glob("*.json"))
-    if not paths:
-        print(say("book.gpu_results_none"))
-    for path in paths:
-        provenance, parts = load_suite(path)
-        commands = [*provenance.get("earlier_commands", []), f"{provenance['date']}: {provenance['command']}"]
-        display(Markdown(say("book.gpu_results_file", name=path.name, hardware=provenance["hardware"],
-                             commands="; ".join(f"`{command}`" for command in commands))))
-        for part in parts.values():
-            add_spread(part)
-            display(part)
-        failed = {name: part["error"] for name, part in json.loads(path.read_text())["results"].items()
-                  if "error" in part}
-        for name, error in failed.items():
-            print(say("book.gpu_results_failed", part=name, error=error))
-        if provenance.get("skipped_for_time"):
-            print(say("book.gpu_results_skipped", parts=", ".join(provenance["skipped_for_time"])))
-
-
 def run_command(args: Sequence[str], cwd: Path | str | None = None) -> None:
     """Run a command from a cell (e.g. `torchrun ... train.py`), streaming its output; raise on failure."""
     import shlex

@@ -108,8 +108,8 @@ def test_pinned_batches_copy_without_blocking():
     assert all(image.is_pinned() for image in pinned)
     moved, _ = to_device(pinned, targets, DEVICE, non_blocking=True)
     torch.cuda.synchronize()
-    # to_device scales uint8 pixels to [0, 1] on the device, as train_step expects; the GPU divides by
-    # multiplying with 1/255, one rounding away from the CPU's x / 255 (seen on an H200), so compare the bytes
+    # to_device scales uint8 pixels to [0, 1] on the device, as train_step expects; on an H200 the result was
+    # not bitwise the CPU's x / 255 (x * (1/255) differs by one rounding for half the byte values): compare bytes
     assert all(m.device == DEVICE for m in moved)
     assert all(torch.equal(m.mul(255).round().to(torch.uint8).cpu(), i) for m, i in zip(moved, images))
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from maskrcnn_tut.errors import BenchError
-from maskrcnn_tut.lab import processes
+from maskrcnn_tut.lab import bench, processes
 from maskrcnn_tut.lab.bench import gpu, harness
+from maskrcnn_tut.lab.bench.cache import timing_row
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 BENCH_MINUTES = float(re.search(r"^BENCH_MINUTES=([\d.]+)$", (TOOLS / "gpu_check.sh").read_text(), re.M).group(1))
@@ -93,6 +94,24 @@ def test_the_suite_writes_its_file_after_every_part_and_bounds_each_through_the_
     assert again["provenance"]["earlier_commands"] == [f"2026-12-02T00:00: {data['provenance']['command']}"]
     with pytest.raises(BenchError, match="no part named cudnnn"):
         gpu.gpu_suite(2, tmp_path, parts=["cudnnn"])
+
+
+def test_chapter_8_shows_each_gpu_file_with_its_failed_and_skipped_parts(tmp_path, monkeypatch, capsys):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda item: shown.append(item))
+    gpu.write_suite(tmp_path / "1x-test-gpu-2026-12-02.json",
+                    {"hardware": "1x Test GPU", "date": "2026-12-02T00:00", "command": "suite", "seconds": {},
+                     "skipped_for_time": ["channels_last"], "earlier_commands": ["2026-12-01T00:00: first"]},
+                    {"amp": {"name": "amp", "title": "AMP", "columns": ["setting", "img/s"], "notes": [],
+                             "provenance": {}, "rows": [{"setting": "fp32", **timing_row([0.5, 0.4, 0.6], 2)}]},
+                     "cudnn": {"error": "WorkerError: launch timed out"}})
+    bench.show_gpu_results(tmp_path)
+    assert "`2026-12-01T00:00: first`; `2026-12-02T00:00: suite`" in shown[0].data
+    assert shown[1].name == "amp" and "img/s IQR" in shown[1].columns  # the spread beside the median
+    printed = capsys.readouterr().out
+    assert "cudnn: did not finish: WorkerError: launch timed out" in printed and "channels_last" in printed
+    bench.show_gpu_results(tmp_path / "empty")
+    assert "No GPU results" in capsys.readouterr().out
 
 
 def test_launch_measure_ends_within_its_launch_deadline(monkeypatch):

@@ -72,7 +72,7 @@ from .harness import (
 from .overhead import overhead
 from .pipeline import pipeline, worker_cost, workers_alone
 from .projection import scaling_curve
-from .results import BenchResult, load_suite, markdown_table, python_call, results_path
+from .results import BenchResult, load_suite, markdown_table, python_call, results_path, show_gpu_results
 from .scaling import CPU_TABLE_BATCH, TABLE_COLUMNS, single_device_speed, table
 from .sweeps import (
     NO_DIFFERENCE,
@@ -93,7 +93,7 @@ __all__ = [
     "Measurement", "bench_config", "bench_dataset", "build_parser", "environment", "gpu_suite", "knob_note",
     "launch_measure", "load_suite", "main", "markdown_table", "measure", "measure_worker", "multiscale_sizes",
     "overhead", "pipeline", "worker_cost", "workers_alone",
-    "pin_cores", "python_call", "results_path", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
+    "pin_cores", "python_call", "results_path", "show_gpu_results", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
     "above", "cached", "describe_cache", "interval", "machine_busy", "projection", "scaling_curve", "spread_text", "timing_row", "versus",
     "time_to_accuracy", "single_device_speed", "training_losses",

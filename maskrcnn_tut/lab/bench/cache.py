@@ -46,8 +46,7 @@ from ...data.shapes import default_cache_dir
 from ...monitor import img_per_s_median
 from ..machine import provenance
 from ..wording import interval, say
-from .results import BenchResult
-from .shown import english
+from .results import BenchResult, add_spread
 
 #: Bump when the cached file's layout changes: older files are then measured again.
 CACHE_VERSION = 1
@@ -119,29 +118,6 @@ def timing_row(times: list[float], images_per_step: float = 1.0) -> dict:
     low, high = img_per_s_quartiles(images_per_step, list(times))
     return {"img/s": img_per_s_median(images_per_step, list(times)), "img/s lo": low, "img/s hi": high,
             "step s": [round(t, 5) for t in times], "images/step": images_per_step}
-
-
-def add_spread(result: BenchResult) -> bool:
-    """The speedup ranges and the "img/s IQR" column of a result whose measured rows carry their
-    spread (`timing_row`); returns False, changing nothing, when some measured row has none."""
-    rows = [row for row in result.rows if row.get("img/s") is not None]
-    if not rows or any(row.get("img/s lo") is None for row in rows):
-        return False
-    base = rows[0]
-    for row in rows:
-        if row.get("speedup") is None:
-            continue
-        if row is base:
-            row["speedup lo"] = row["speedup hi"] = 1.0
-        else:
-            row["speedup lo"] = row["img/s lo"] / base["img/s hi"]
-            row["speedup hi"] = row["img/s hi"] / base["img/s lo"]
-    for row in rows:
-        row["img/s IQR"] = f"{row['img/s lo']:.3g}-{row['img/s hi']:.3g}"
-    if "img/s" in result.columns and "img/s IQR" not in result.columns:
-        result.columns.insert(result.columns.index("img/s") + 1, "img/s IQR")
-    result.notes.append(english("bench.iqr_note"))
-    return True
 
 
 def spread_text(row: dict, key: str = "speedup", fmt: str = ".2f", unit: str = "x") -> str:

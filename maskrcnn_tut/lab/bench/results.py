@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..wording import say, term
-from .shown import shown, shown_rows
+from .shown import english, shown, shown_rows
 
 
 def _cell(value: Any, floatfmt: str) -> str:
@@ -161,8 +161,55 @@ def results_path(results_dir: Path | str, prov: dict) -> Path:
     return Path(results_dir) / f"{slug}-{prov['date'][:10]}.json"
 
 
+def add_spread(result: BenchResult) -> bool:
+    """The speedup ranges and the "img/s IQR" column of a result whose measured rows carry their
+    spread (`timing_row`); returns False, changing nothing, when some measured row has none."""
+    rows = [row for row in result.rows if row.get("img/s") is not None]
+    if not rows or any(row.get("img/s lo") is None for row in rows):
+        return False
+    base = rows[0]
+    for row in rows:
+        if row.get("speedup") is None:
+            continue
+        if row is base:
+            row["speedup lo"] = row["speedup hi"] = 1.0
+        else:
+            row["speedup lo"] = row["img/s lo"] / base["img/s hi"]
+            row["speedup hi"] = row["img/s hi"] / base["img/s lo"]
+    for row in rows:
+        row["img/s IQR"] = f"{row['img/s lo']:.3g}-{row['img/s hi']:.3g}"
+    if "img/s" in result.columns and "img/s IQR" not in result.columns:
+        result.columns.insert(result.columns.index("img/s") + 1, "img/s IQR")
+    result.notes.append(english("bench.iqr_note"))
+    return True
+
+
 def load_suite(path: Path | str) -> tuple[dict, dict[str, BenchResult]]:
     """A `gpu_suite` file: (provenance, {name: BenchResult}) of the parts that ran."""
     data = json.loads(Path(path).read_text())
     return data["provenance"], {name: BenchResult.from_dict(result) for name, result in data["results"].items()
                                 if "error" not in result}
+
+
+def show_gpu_results(folder: Path | str) -> None:
+    """Every GPU suite file in `folder` (`bench.gpu_suite`): its machine, date and commands, each part's table
+    with the spread of its steps and its notes, then the parts that failed or did not fit the time."""
+    from IPython.display import Markdown, display
+
+    paths = sorted(Path(folder).glob("*.json"))
+    if not paths:
+        print(say("bench.gpu_results_none"))
+    for path in paths:
+        provenance, parts = load_suite(path)
+        commands = [*provenance.get("earlier_commands", []), f"{provenance['date']}: {provenance['command']}"]
+        display(Markdown(say("bench.gpu_results_file", name=path.name, hardware=provenance["hardware"],
+                             commands="; ".join(f"`{command}`" for command in commands))))
+        for part in parts.values():
+            add_spread(part)
+            display(part)
+        failed = {name: part["error"] for name, part in json.loads(path.read_text())["results"].items()
+                  if "error" in part}
+        for name, error in failed.items():
+            print(say("bench.gpu_results_failed", part=name, error=error))
+        if provenance.get("skipped_for_time"):
+            print(say("bench.gpu_results_skipped", parts=", ".join(provenance["skipped_for_time"])))
