@@ -172,30 +172,42 @@ def pipeline(preset: str | None = None, data_path: str | None = None, workers: i
         wall = {name: [] for name in LOOPS}
         cpu = {name: [] for name in LOOPS}
         worker_cpu, gaps = [], []
-        for _ in range(rounds):
+        for number in range(rounds):
             start, position = _snapshot(model, optimizer, rig.scheduler), copy.copy(rig.state)
+            drawn.clear()
             for _ in range(steps):  # untimed: the kernels meet this round's new image shapes here
                 loop_step()
-            seen = [[t["image_id"] for t in batch[1]] for batch in drawn[-steps:]]
-            _restore(model, optimizer, rig.scheduler, start)
-            rewind(position)
-            drawn.clear()
-            before = workers_cpu_seconds(rig.loader)
-            for _ in range(steps):
-                seconds, process = timed(loop_step)
-                wall[LOOPS[0]].append(seconds)
-                cpu[LOOPS[0]].append(process)
-            after = workers_cpu_seconds(rig.loader)
-            if before is not None and after is not None:
-                worker_cpu.append((after - before) / steps)
-            assert [[t["image_id"] for t in batch[1]] for batch in drawn] == seen, "the rewound loader drew other batches"
+            seen = [[t["image_id"] for t in batch[1]] for batch in drawn]
+            # augmentation is a function of (seed, epoch, index): the timed loop draws these very batches
             ready = [to_device(*batch, device) for batch in drawn]
-            _restore(model, optimizer, rig.scheduler, start)
-            del losses[LOOPS[1]][:]
-            for batch in ready:
-                seconds, process = timed(lambda: bare_step(batch))
-                wall[LOOPS[1]].append(seconds)
-                cpu[LOOPS[1]].append(process)
+
+            def timed_loop() -> None:
+                _restore(model, optimizer, rig.scheduler, start)
+                rewind(position)
+                drawn.clear()
+                before = workers_cpu_seconds(rig.loader)
+                for _ in range(steps):
+                    seconds, process = timed(loop_step)
+                    wall[LOOPS[0]].append(seconds)
+                    cpu[LOOPS[0]].append(process)
+                after = workers_cpu_seconds(rig.loader)
+                if before is not None and after is not None:
+                    worker_cpu.append((after - before) / steps)
+                assert [[t["image_id"] for t in batch[1]] for batch in drawn] == seen, \
+                    "the rewound loader drew other batches"
+
+            def timed_bare() -> None:
+                _restore(model, optimizer, rig.scheduler, start)
+                del losses[LOOPS[1]][:]
+                for batch in ready:
+                    seconds, process = timed(lambda: bare_step(batch))
+                    wall[LOOPS[1]].append(seconds)
+                    cpu[LOOPS[1]].append(process)
+
+            # every other round runs the bare steps first, so neither side always meets a machine the
+            # other has just warmed (caches, the allocator, the clock)
+            for run in (timed_loop, timed_bare) if number % 2 == 0 else (timed_bare, timed_loop):
+                run()
             # a round's first pair starts from the same weights and random state: the same loss, exactly
             # as far as float rounding goes (later pairs drift apart by the rounding of multi-threaded
             # kernels, which can change which RoIs get sampled, not how much work a step is)
@@ -211,7 +223,8 @@ def pipeline(preset: str | None = None, data_path: str | None = None, workers: i
         rows.append({"loop": name, "s/step": statistics.median(wall[name]), "min s": min(wall[name]),
                      "max s": max(wall[name]), "process CPU s/step": statistics.median(cpu[name]),
                      "worker CPU s/step": statistics.median(worker_cpu) if worker_cpu and name == LOOPS[0] else None})
-    rows[0].update({"pairs": len(ratios), "loss gap": max(gaps), "vs bare %": 100 * (mid - 1),
+    rows[0].update({"pairs": len(ratios), "pair ratios": [round(r, 4) for r in ratios],  # runs pool them
+                    "loss gap": max(gaps), "vs bare %": 100 * (mid - 1),
                     "vs bare % lo": 100 * (lo - 1), "vs bare % hi": 100 * (hi - 1),
                     "worker CPU ms/image": None if cost["worker cpu s/image"] is None
                     else 1000 * cost["worker cpu s/image"]})
@@ -220,7 +233,8 @@ def pipeline(preset: str | None = None, data_path: str | None = None, workers: i
                      min_size=rig.cfg.min_size, max_size=rig.cfg.max_size, images=images_per_step, data=cfg.data_path,
                      workers=worker_count(rig.cfg), threads=torch.get_num_threads(), device=device, rounds=rounds,
                      steps=steps, warmup=warmup),
-             english("bench.pipeline_ratio", pairs=len(ratios)), english("bench.pipeline_workers"),
+             english("bench.pipeline_ratio", pairs=len(ratios)), english("bench.pipeline_order"),
+             english("bench.pipeline_workers"),
              english("bench.pipeline_alone", images=cost["images"],
                      **{piece: f"{1000 * cost[f'{piece} s/image']:.2f}" for piece in ("decode", "masks", "transforms",
                                                                                       "pack")})]
