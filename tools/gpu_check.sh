@@ -10,7 +10,7 @@
 #
 # Stages, each bounded and each writing its file to $OUT (/tmp/gpu_check_out when unset) as soon as it ends:
 # setup (the carried wheels, the package, a quick import of everything the check uses), the GPU tests
-# (pytest -m gpu), the bench suite (JSON rewritten after every part) and 2-3 chapters (tools/run_chapters.py,
+# (pytest -m gpu), the bench suite (JSON rewritten after every part) and a chapter (tools/run_chapters.py,
 # each notebook saved whatever happens). Without CUDA the stages that need it say "skipped (no CUDA)".
 # $OUT/stages.txt ends with a table of every stage's status and seconds. Exit 1 when a stage failed.
 #
