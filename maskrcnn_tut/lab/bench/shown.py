@@ -21,7 +21,7 @@ from .. import wording
 from ..wording import term
 
 #: The catalogs whose English is stored and read back (`register_catalog` adds another module's).
-CATALOGS = ["bench", "book", "machine"]
+CATALOGS = ["bench", "book", "machine", "dataparallel"]
 #: Templates with fewer literal characters than this match too much to be read back.
 MIN_LITERAL = 3
 
