@@ -15,6 +15,7 @@ sentences. Nothing here measures, so every branch is tested with hand-made rows.
 """
 from __future__ import annotations
 
+import random
 import statistics
 from dataclasses import dataclass
 
@@ -89,6 +90,20 @@ def workers_alone(after, before) -> dict:
         lower += [name] if max(now) < min(then) else []
     found["lighter"] = "both" if len(lower) == 2 else lower[0] if lower else "neither"
     return found
+
+
+def pooled_pairs(results, resamples: int = 4000) -> dict | None:
+    """The (loop / bare step) ratios of every `bench pipeline` result that kept its pairs, pooled: runs of
+    a few pairs each differ by more than their own spread says, and the pooled median with a bootstrap 95 %
+    interval (a fixed seed: the same files give the same interval) is what they support together; in %."""
+    kept = [result.rows[0]["pair ratios"] for result in results if result.rows[0].get("pair ratios")]
+    pairs = [ratio for ratios in kept for ratio in ratios]
+    if not pairs:
+        return None
+    draw = random.Random(0)
+    medians = sorted(statistics.median(draw.choices(pairs, k=len(pairs))) for _ in range(resamples))
+    return {"runs": len(kept), "pairs": len(pairs), "median %": 100 * (statistics.median(pairs) - 1),
+            "lo %": 100 * (medians[int(0.025 * resamples)] - 1), "hi %": 100 * (medians[int(0.975 * resamples)] - 1)}
 
 
 # --------------------------------------------------------------------------- chapter 4

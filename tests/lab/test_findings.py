@@ -354,3 +354,15 @@ def test_workers_alone_names_only_what_every_repeat_lowered(workers_after, main_
     assert found["lighter"] == lighter
     assert found["workers before"] == 6.8 and found["main before"] == 1.0 and found["repeats"] == 2
     assert found["workers after"] == pytest.approx(sum(workers_after) / 2)
+
+
+def test_pooled_pairs_pool_the_runs_that_kept_their_pairs():
+    def run(ratios):
+        row = {"vs bare %": 0.0} if ratios is None else {"vs bare %": 0.0, "pair ratios": ratios}
+        return BenchResult("pipeline", "t", [row, {}], [], [], {})
+
+    assert speed_findings.pooled_pairs([run(None)]) is None  # runs from before the pairs were kept
+    found = speed_findings.pooled_pairs([run(None), run([0.9, 1.0, 1.1]), run([1.02, 1.04, 1.06, 1.08])])
+    assert (found["runs"], found["pairs"]) == (2, 7) and found["median %"] == pytest.approx(4.0)
+    assert found["lo %"] <= found["median %"] <= found["hi %"] and found["lo %"] >= -10 and found["hi %"] <= 10
+    assert speed_findings.pooled_pairs([run([0.9, 1.0, 1.1]), run([1.02, 1.04, 1.06, 1.08])]) == found  # seeded
