@@ -2,7 +2,7 @@
 
     python tools/run_chapters.py --out DIR --deadline-s 150 [--chapters 05,06]
 
-Without --chapters it takes the day's group of `ROTATION` (one group per device run fits its time).
+Without --chapters it takes the day's chapter of `ROTATION` (one chapter fits a device run).
 Each chapter gets an equal share of the time still left (a short one leaves more to the next), is
 executed by nbclient with that deadline on every cell, and is written to DIR/<chapter>.ipynb whatever
 happened: finished, cut at its deadline, failed or interrupted. Its kernel is then shut down, and the
@@ -28,18 +28,16 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError
 BOOK = Path(__file__).resolve().parents[1] / "book"
 #: The chapters that use a GPU where there is one, one per device run: on an H200 (2026-12-04) a chapter
 #: measuring cold needed over 100 s, and the check leaves about two minutes after its tests and suite.
-ROTATION = [("05_mixed_precision",), ("06_cudnn_flags",), ("04_dataparallel_vs_ddp",),
-            ("08_monitoring_and_benchmarks",),
-            ("07_gradient_accumulation",), ("11_beyond_the_article",), ("02_system_and_setup",),
-            ("09_troubleshooting",), ("10_summary",), ("01_why_multiple_gpus",), ("03_dataloader_tuning",)]
+ROTATION = ["05_mixed_precision", "06_cudnn_flags", "04_dataparallel_vs_ddp", "08_monitoring_and_benchmarks",
+            "07_gradient_accumulation", "11_beyond_the_article", "02_system_and_setup", "09_troubleshooting",
+            "10_summary", "01_why_multiple_gpus", "03_dataloader_tuning"]
 PR_SET_CHILD_SUBREAPER = 36
 
 
 def chosen(names: str | None, today: datetime.date | None = None) -> list[Path]:
-    """The notebooks named by number or name ("05,06"), else the day's group of `ROTATION`."""
+    """The notebooks named by number or name ("05,06"), else the day's chapter of `ROTATION`."""
     if not names:
-        group = ROTATION[(today or datetime.date.today()).toordinal() % len(ROTATION)]
-        return [BOOK / f"{name}.ipynb" for name in group]
+        return [BOOK / f"{ROTATION[(today or datetime.date.today()).toordinal() % len(ROTATION)]}.ipynb"]
     found = []
     for name in names.split(","):
         matches = sorted(BOOK.glob(f"{name.strip()}*.ipynb"))
@@ -145,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where each executed notebook is written")
     parser.add_argument("--deadline-s", type=float, required=True, help="seconds for all the chapters together")
-    parser.add_argument("--chapters", help="comma-separated chapter numbers or names (default: the day's group)")
+    parser.add_argument("--chapters", help="comma-separated chapter numbers or names (default: the day's chapter)")
     parser.add_argument("--summary", type=Path, help="append `name|seconds|status` per chapter to this file")
     args = parser.parse_args(argv)
     end = time.monotonic() + args.deadline_s

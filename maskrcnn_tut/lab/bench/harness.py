@@ -218,14 +218,14 @@ def pin_cores(threads: int) -> list[int] | None:
 def measure_worker(cfg: Config, runs: list[dict], until: float | None = None) -> list[Measurement]:
     """Run inside `processes.launch`: pin this process to its cores, then `measure(cfg with the
     run's overrides, **the run's options)` for each run in turn; rank 0's results are the group's.
-    until (a `time.monotonic()` time, one process only): each run gets an equal share of the time left
+    until (a `time.monotonic()` time; `launch_measure` gives it to one process only): each run gets an equal share of the time left
     as its `deadline`, so one slow setting cannot cost the others theirs."""
     pin_cores(runs[0].get("threads") or 1)
     results = []
     for i, run in enumerate(runs):
         overrides = {k: v for k, v in run.items() if k not in MEASURE_OPTIONS}
         options = {k: v for k, v in run.items() if k in MEASURE_OPTIONS}
-        if until is not None and du.info().world_size == 1:
+        if until is not None:
             options["deadline"] = time.monotonic() + (until - time.monotonic()) / (len(runs) - i)
         results.append(measure(dataclasses.replace(cfg, **overrides), **options))
     return results

@@ -184,11 +184,13 @@ def add_spread(result: BenchResult) -> bool:
     return True
 
 
-def load_suite(path: Path | str) -> tuple[dict, dict[str, BenchResult]]:
-    """A `gpu_suite` file: (provenance, {name: BenchResult}) of the parts that ran."""
+def load_suite(path: Path | str) -> tuple[dict, dict[str, BenchResult], dict[str, str]]:
+    """A `gpu_suite` file: (provenance, {name: BenchResult} of the parts that ran, {name: error} of those
+    that failed)."""
     data = json.loads(Path(path).read_text())
-    return data["provenance"], {name: BenchResult.from_dict(result) for name, result in data["results"].items()
-                                if "error" not in result}
+    results = data["results"].items()
+    return (data["provenance"], {name: BenchResult.from_dict(r) for name, r in results if "error" not in r},
+            {name: r["error"] for name, r in results if "error" in r})
 
 
 def show_gpu_results(folder: Path | str) -> None:
@@ -200,15 +202,13 @@ def show_gpu_results(folder: Path | str) -> None:
     if not paths:
         print(say("bench.gpu_results_none"))
     for path in paths:
-        provenance, parts = load_suite(path)
+        provenance, parts, failed = load_suite(path)
         commands = [*provenance.get("earlier_commands", []), f"{provenance['date']}: {provenance['command']}"]
         display(Markdown(say("bench.gpu_results_file", name=path.name, hardware=provenance["hardware"],
                              commands="; ".join(f"`{command}`" for command in commands))))
         for part in parts.values():
             add_spread(part)
             display(part)
-        failed = {name: part["error"] for name, part in json.loads(path.read_text())["results"].items()
-                  if "error" in part}
         for name, error in failed.items():
             print(say("bench.gpu_results_failed", part=name, error=error))
         if provenance.get("skipped_for_time"):
