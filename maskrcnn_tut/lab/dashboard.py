@@ -3,8 +3,9 @@
 - `plot_metrics(rows)`: data vs compute time per step, throughput and peak memory (rows as in
   `metrics.jsonl`: `monitor.metrics_row`).
 - `LiveDashboard(global_batch)`: a training callback that shows progress, img/s, data share, memory
-  and GPU use while training runs in a notebook, and leaves a static matplotlib figure in the
-  rendered page.
+  and GPU use while training runs in a notebook; `figure()` draws the run for the rendered page.
+- `watch_training(cfg)`: a `bench.measure` run under a `LiveDashboard` and a `GPUSampler`, kept as a
+  picklable `WatchedRun`, so the figure cache can hand the Japanese edition the English one's run.
 
 matplotlib and ipywidgets are imported only when a figure or widget is made, and `train.py` and
 `monitor` never import this module: training on a server needs neither. Titles, labels and the
@@ -13,11 +14,15 @@ status line are in the book's language (`wording`).
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 import torch
 
 from .. import distributed as du
+from ..config import Config
+from ..engine import StepRecord
 from ..monitor import metrics_row
+from .bench import measure
 from .gpus import GPUSampler
 from .health import MAX_MEMORY_FRACTION
 from .machine import device_memory_mb, hardware_label
@@ -68,10 +73,10 @@ class LiveDashboard:
     """Training callback that shows progress, img/s, data share, memory and GPU use while training
     runs in a notebook, and redraws `plot_metrics` every `redraw_every` steps.
 
-    The numbers live in ipywidgets; the figure is an ordinary display output that each redraw
-    replaces, so the executed notebook (and the rendered page) keeps the last one as a static
-    picture. Call `close()` after training for the final figure. Outside a notebook it only
-    collects `rows`.
+    The numbers live in ipywidgets and the figure in a display output that each redraw replaces.
+    `close()` takes the live view down after training, and `figure()` draws the whole run: the
+    executed notebook (and the rendered page) keeps that one static picture. Outside a notebook it
+    only collects `rows`.
     """
 
     def __init__(self, global_batch: int, total_steps: int | None = None, device: torch.device | None = None,
@@ -85,7 +90,7 @@ class LiveDashboard:
             from IPython.display import HTML, display
             self.progress = widgets.IntProgress(value=0, min=0, max=total_steps or 1, description=term("steps"))
             self.status = widgets.HTML(term("waiting for the first step"))
-            display(widgets.VBox([self.progress, self.status]))
+            self.view_handle = display(widgets.VBox([self.progress, self.status]), display_id=True)
             self.figure_handle = display(HTML(f"<i>{say('dashboard.figure_after', step=redraw_every)}</i>"),
                                          display_id=True)
 
@@ -105,9 +110,11 @@ class LiveDashboard:
             text += "; " + ", ".join(f"GPU {g['gpu']} {g['util']:.0f} %" for g in self.gpus.latest())
         self.status.value = text
 
+    def total_memory_mb(self) -> float | None:
+        return device_memory_mb(self.device) if self.device.type == "cuda" else None
+
     def figure(self):
-        gpu_total = device_memory_mb(self.device) if self.device.type == "cuda" else None
-        return plot_metrics(self.rows, self.title, gpu_total)
+        return plot_metrics(self.rows, self.title, self.total_memory_mb())
 
     def redraw(self) -> None:
         import matplotlib.pyplot as plt
@@ -116,6 +123,38 @@ class LiveDashboard:
         plt.close(fig)
 
     def close(self) -> None:
-        """Draw the final figure (in a notebook; elsewhere call `figure()`)."""
-        if self.live and self.rows:
-            self.redraw()
+        """Take the live view (widgets and the last redraw) down, in a notebook; `figure()` draws the run."""
+        if self.live:
+            from IPython.display import HTML
+            for handle in (self.view_handle, self.figure_handle):
+                handle.update(HTML(""))
+            self.progress.close()
+            self.status.close()
+
+
+@dataclass
+class WatchedRun:
+    """A run `watch_training` watched: its step records, their metric rows (`monitor.metrics_row`),
+    its GPU sampler (stopped, with its readings) and the GPU memory the rows are judged against."""
+
+    records: list[StepRecord]
+    rows: list[dict]
+    gpus: GPUSampler
+    total_memory_mb: float | None
+
+    def figure(self, title: str = "Training step"):
+        return plot_metrics(self.rows, title, self.total_memory_mb)
+
+
+def watch_training(cfg: Config, steps: int = 16, warmup: int = 2, redraw_every: int = 8,
+                   interval_s: float = 0.5) -> WatchedRun:
+    """Train `warmup + steps` steps of `cfg` through `bench.measure` (the same `engine.train_step` as
+    train.py), with a `LiveDashboard` in the notebook and a `GPUSampler` reading the GPUs every
+    `interval_s`; the run comes back as a `WatchedRun`, whose `figure()` draws it."""
+    records: list[StepRecord] = []
+    with GPUSampler(interval_s=interval_s) as gpus:
+        dashboard = LiveDashboard(cfg.batch_size, total_steps=warmup + steps, gpus=gpus, redraw_every=redraw_every,
+                                  title="Live training dashboard")
+        measure(cfg, steps=steps, warmup=warmup, callbacks=[dashboard, records.append])
+        dashboard.close()
+    return WatchedRun(records, dashboard.rows, gpus, dashboard.total_memory_mb())

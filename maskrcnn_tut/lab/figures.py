@@ -6,8 +6,9 @@ chapters show what the English chapters measured in the same build instead of me
 `jupyter-book build` (this module is a Sphinx extension in `_config.yml`) and a pytest run
 (tests/conftest.py) start a *session*: `MASKRCNN_TUT_FIGURES` names a folder that every chapter's
 kernel inherits. In a session, the first `once(fn, ...)` with given arguments runs `fn` and keeps its
-result (pickled) and what it wrote to stdout and stderr. The same call in the other edition writes
-those lines again and returns the kept result. Outside a session (a reader running one chapter) `once` just calls `fn`.
+result (pickled), or the error it raised, and what it wrote to stdout and stderr. The same call in
+the other edition writes those lines again and returns the kept result (raises the kept error).
+Outside a session (a reader running one chapter) `once` just calls `fn`.
 So what `fn` returns must not depend on the book's language: English data that the cells word in the
 reader's language when they show it, as the `lab` functions return it.
 
@@ -113,25 +114,43 @@ class _Tee(io.TextIOBase):
 
 def once(fn: Callable, *args, **kwargs) -> Any:
     """`fn(*args, **kwargs)`, run once per session; a repeat writes what the first call wrote (stdout
-    and stderr, in order) and returns its result (module docstring)."""
+    and stderr, in order) and returns its result, or raises its error again (a run that chapter 9
+    stops on a non-finite loss), as the module docstring says."""
     folder = session_dir()
     if folder is None:
         return fn(*args, **kwargs)
     path = folder / figure_key(fn, args, kwargs)
     if path.exists():
-        written, result = pickle.loads(path.read_bytes())
+        written, result, error = pickle.loads(path.read_bytes())
         for name, text in written:
             getattr(sys, name).write(text)
         sys.stdout.flush()
         sys.stderr.flush()
+        if error is not None:
+            raise error
         return result
     written: list[tuple[str, str]] = []
-    with contextlib.redirect_stdout(_Tee(sys.stdout, "stdout", written)), \
-            contextlib.redirect_stderr(_Tee(sys.stderr, "stderr", written)):
-        result = fn(*args, **kwargs)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(pickle.dumps((list(written), result)))
-    os.replace(tmp, path)
+    result = error = None
+    try:
+        with contextlib.redirect_stdout(_Tee(sys.stdout, "stdout", written)), \
+                contextlib.redirect_stderr(_Tee(sys.stderr, "stderr", written)):
+            result = fn(*args, **kwargs)
+    except Exception as err:
+        error = err
+    try:
+        kept = pickle.dumps((list(written), result, error))
+        if error is not None:
+            pickle.loads(kept)  # an error class whose arguments do not rebuild it fails here, not in the repeat
+    except (pickle.PicklingError, TypeError, AttributeError):
+        if error is None:
+            raise
+        kept = None  # the repeat runs `fn` again
+    if kept is not None:
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(kept)
+        os.replace(tmp, path)
+    if error is not None:
+        raise error
     return result
 
 

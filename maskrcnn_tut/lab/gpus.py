@@ -36,7 +36,12 @@ def _say(entry: str, **values) -> str:
 
 
 class GpuUnavailable(RuntimeError):
-    """NVML cannot read the run's GPUs here; the message says why."""
+    """NVML cannot read the run's GPUs here; the message says why. `entry` and `values` word it
+    again in the language of whoever shows it (a sampler kept by the figure cache)."""
+
+    def __init__(self, entry: str, **values):
+        self.entry, self.values = entry, {k: v if isinstance(v, (int, str)) else str(v) for k, v in values.items()}
+        super().__init__(_say(entry, **self.values))
 
 
 def run_cuda_devices() -> list[int]:
@@ -77,7 +82,7 @@ def nvml_indices(cuda_devices: Sequence[int], nvml, handles: list) -> list[int]:
         uuid, pci = cuda_device_ids(index)
         number = by_uuid.get(uuid, by_pci.get(pci))
         if number is None:
-            raise GpuUnavailable(_say("not_listed", index=index, uuid=uuid, count=len(handles)))
+            raise GpuUnavailable("not_listed", index=index, uuid=uuid, count=len(handles))
         found.append(number)
     return found
 
@@ -90,11 +95,11 @@ def nvml_session(nvml=None):
         try:
             import pynvml as nvml
         except ImportError as err:
-            raise GpuUnavailable(_say("no_pynvml")) from err
+            raise GpuUnavailable("no_pynvml") from err
     try:
         nvml.nvmlInit()
     except Exception as err:  # pynvml.NVMLError: no library, no driver, no permission
-        raise GpuUnavailable(_say("no_driver", err=err)) from err
+        raise GpuUnavailable("no_driver", err=err) from err
     try:
         yield nvml
     finally:
@@ -105,7 +110,7 @@ def cuda_handles(nvml, cuda_devices: Sequence[int]) -> list[tuple[int, int, obje
     """(CUDA index, NVML index, NVML handle) of each CUDA device, in an open `nvml_session`."""
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
     if not handles:
-        raise GpuUnavailable(_say("no_gpu_reported"))
+        raise GpuUnavailable("no_gpu_reported")
     numbers = nvml_indices(cuda_devices, nvml, handles)
     return [(cuda, number, handles[number]) for cuda, number in zip(cuda_devices, numbers)]
 
@@ -118,7 +123,7 @@ class NvmlReader:
 
     def __init__(self, cuda_devices: Sequence[int], nvml=None):
         if not cuda_devices:
-            raise GpuUnavailable(_say("no_gpu_used", device=du.info().device.type))
+            raise GpuUnavailable("no_gpu_used", device=du.info().device.type)
         self._session = contextlib.ExitStack()
         self.nvml = self._session.enter_context(nvml_session(nvml))
         try:
@@ -158,14 +163,19 @@ class GPUSampler:
         self.interval_s = interval_s
         self.devices = None if devices is None else list(devices)
         self.samples: list[dict] = []
-        self.reason = ""
+        self.unavailable: GpuUnavailable | None = None
         self._reader = reader
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
     def available(self) -> bool:
-        return not self.reason
+        return self.unavailable is None
+
+    @property
+    def reason(self) -> str:
+        """Why it samples nothing, in the book's language ("" when it samples)."""
+        return "" if self.unavailable is None else _say(self.unavailable.entry, **self.unavailable.values)
 
     def start(self) -> GPUSampler:
         try:
@@ -173,7 +183,7 @@ class GPUSampler:
                 self._reader = NvmlReader(run_cuda_devices() if self.devices is None else self.devices)
             self._sample()
         except GpuUnavailable as err:
-            self.reason = str(err)
+            self.unavailable = err
             return self
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
@@ -196,6 +206,18 @@ class GPUSampler:
         if isinstance(self._reader, NvmlReader):
             self._reader.close()
             self._reader = None
+
+    def __getstate__(self) -> dict:
+        """What pickles (the figure cache keeps a stopped sampler): the readings and why there are none."""
+        why = self.unavailable and (self.unavailable.entry, self.unavailable.values)
+        return {"interval_s": self.interval_s, "devices": self.devices, "samples": self.samples, "why": why}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["interval_s"], devices=state["devices"])
+        self.samples = state["samples"]
+        if state["why"]:
+            entry, values = state["why"]
+            self.unavailable = GpuUnavailable(entry, **values)
 
     def __enter__(self) -> GPUSampler:
         return self.start()

@@ -52,7 +52,7 @@ SMALL_BUCKET_MB = 25.0
 NO_SYNC_ACCUM = 2
 PHASES = ("single", "ddp", "ddp_small_buckets", "ddp_no_sync")
 STEP, FORWARD, DATA = "train_step", "forward", "data: next batch"
-#: The phase whose every event a trace keeps, for the Perfetto file (`save_trace`).
+#: The phase whose every event a trace keeps, as the Perfetto file (`save_trace`).
 SAVED_PHASE = "ddp"
 COMM_PREFIXES = ("gloo:", "nccl:")
 
@@ -231,9 +231,11 @@ class DDPTrace:
     steps: dict[str, list[list[dict]]]  # phase -> [rank][step] -> row
     bucket_cap_mb: float
     batch_size: int
-    # phase -> [rank] -> events: all of SAVED_PHASE's (`save_trace`), the `drawn` ones of the others (a tenth)
-    events: dict[str, list[list[dict]]] = field(repr=False, default_factory=dict)
+    events: dict[str, list[list[dict]]] = field(repr=False, default_factory=dict)  # phase -> [rank] -> `drawn` events
     hardware: str = ""
+    # SAVED_PHASE's every event as the gzipped Chrome-trace file `save_trace` writes: encoded once, and
+    # small to keep (the figure cache read ~15 MB of event dicts back in a second)
+    saved_file: bytes = field(repr=False, default=b"")
 
     def rows(self, phase: str) -> list[dict]:
         return [row for rank in self.steps[phase] for row in rank]
@@ -305,11 +307,10 @@ def ddp_trace(preset: str = "cpu-tiny", steps: int = 2, warmup: int = 1, batch_s
         processes.launch(trace_worker, 2, cfg, steps, warmup, folder, backend="gloo")
         events = {phase: [json.loads(path.read_text())["traceEvents"]
                           for path in sorted(Path(folder).glob(f"{phase}.*.json"))] for phase in PHASES}
-    kept = {phase: ranks if phase == SAVED_PHASE else [[e for e in ev if drawn(e)] for ev in ranks]
-            for phase, ranks in events.items()}
     return DDPTrace(steps={phase: [step_phases(ev) for ev in events[phase]] for phase in PHASES},
-                    bucket_cap_mb=cfg.bucket_cap_mb, batch_size=batch_size, events=kept,
-                    hardware=cpu_label(2))
+                    bucket_cap_mb=cfg.bucket_cap_mb, batch_size=batch_size,
+                    events={phase: [[e for e in ev if drawn(e)] for ev in ranks] for phase, ranks in events.items()},
+                    hardware=cpu_label(2), saved_file=chrome_trace(events[SAVED_PHASE]))
 
 
 def drawn(event: dict) -> bool:
@@ -334,14 +335,19 @@ def cpu_label(processes: int) -> str:
     return wording.say("traces.cpu_label", processes=processes, cpu=hardware()["cpu"])
 
 
-def save_trace(trace: DDPTrace, path: Path | str, phase: str = SAVED_PHASE) -> Path:
-    """Both ranks' events of `phase` in one gzipped Chrome-trace file (one process row per rank)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def chrome_trace(ranks: list[list[dict]]) -> bytes:
+    """Each rank's events in one gzipped Chrome-trace file (one process row per rank)."""
     merged = []
-    for rank, events in enumerate(trace.events[phase]):
+    for rank, events in enumerate(ranks):
         pids = {e.get("pid") for e in events}
         merged += [{**e, "pid": f"rank {rank}"} if e.get("pid") in pids else e for e in events]
     # encoded whole, then compressed: json.dump's many small writes through gzip took seconds
-    path.write_bytes(gzip.compress(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}).encode(), compresslevel=6))
+    return gzip.compress(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}).encode(), compresslevel=6)
+
+
+def save_trace(trace: DDPTrace, path: Path | str) -> Path:
+    """Both ranks' every event of the `SAVED_PHASE` run, for ui.perfetto.dev or chrome://tracing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(trace.saved_file)
     return path

@@ -33,6 +33,23 @@ def test_dashboard_outside_a_notebook_collects_rows():
     assert not dashboard.live and [r["img_per_s"] for r in dashboard.rows] == [8.0, 8.0, 8.0]
 
 
+def test_watch_training_keeps_a_run_that_pickles(tmp_path):
+    """What the figure cache keeps of chapter 8's run: records, rows and the stopped sampler."""
+    import pickle
+
+    import matplotlib.pyplot as plt
+
+    from maskrcnn_tut.lab import bench
+    from maskrcnn_tut.lab.dashboard import watch_training
+    cfg = bench.bench_config("cpu-tiny", min_size=64, max_size=96, workers=0)
+    watched = pickle.loads(pickle.dumps(watch_training(cfg, steps=2, warmup=1, interval_s=60)))
+    assert [r.step for r in watched.records] == [row["step"] for row in watched.rows] == [2, 3]
+    assert watched.gpus.describe()
+    fig = watched.figure("Live training dashboard")
+    assert fig.axes[1].get_ylabel() == "images / s"
+    plt.close(fig)
+
+
 @pytest.mark.system
 def test_dashboard_in_a_notebook_leaves_one_static_figure(tmp_path):
     nbformat = pytest.importorskip("nbformat")
@@ -42,12 +59,13 @@ def test_dashboard_in_a_notebook_leaves_one_static_figure(tmp_path):
               "dashboard = LiveDashboard(global_batch=4, total_steps=6, redraw_every=3)\n"
               "for step in range(1, 7):\n"
               "    dashboard(StepRecord(step, 0, 0.1, 1.0 / step, {}, 0.01, 0.5, [0.49]))\n"
+              "print(dashboard.progress.value, dashboard.status.value)\n"
               "dashboard.close()\n"
-              "print(dashboard.progress.value, dashboard.status.value)")
+              "fig = dashboard.figure()")
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
     nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = notebook.cells[0].outputs
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 1
-    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 1  # the run's figure; the live view is down
+    assert not any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
     assert "6 step 6: loss 0.167, 8.00 img/s" in "".join(o.get("text", "") for o in outputs)

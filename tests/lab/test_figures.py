@@ -45,6 +45,41 @@ def test_in_a_session_the_repeat_writes_the_same_lines_and_returns_the_kept_resu
     assert (replayed.out, replayed.err) == (written.out, written.err) == ("measuring bf16 at 64 px\n", "a log line for 64\n")
 
 
+class Diverged(FloatingPointError):
+    pass
+
+
+class Unrebuildable(RuntimeError):
+    def __init__(self, step: int, loss: float):
+        super().__init__(f"step {step}: loss {loss}")
+
+
+def failing(size: int) -> None:
+    CALLS.append((size, "fails"))
+    print(f"step 1 at {size} px")
+    raise Diverged(f"non-finite loss at {size} px")
+
+
+def failing_oddly(size: int) -> None:
+    CALLS.append((size, "fails oddly"))
+    raise Unrebuildable(size, float("nan"))
+
+
+def test_a_repeat_raises_the_kept_error_after_the_same_lines(session, capsys):
+    for _ in range(2):
+        with pytest.raises(Diverged, match="non-finite loss at 64 px"):
+            figures.once(failing, 64)
+        assert capsys.readouterr().out == "step 1 at 64 px\n"
+    assert CALLS == [(64, "fails")]
+
+
+def test_an_error_that_does_not_pickle_back_runs_again(session):
+    for _ in range(2):
+        with pytest.raises(Unrebuildable):
+            figures.once(failing_oddly, 64)
+    assert CALLS == [(64, "fails oddly")] * 2
+
+
 def test_other_arguments_measure_again(session):
     figures.once(measured, 64)
     figures.once(measured, 96)

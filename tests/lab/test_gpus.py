@@ -93,6 +93,22 @@ def test_gpu_sampler_on_a_cpu_run_says_it_uses_no_gpu(monkeypatch, eight_gpu_hos
     assert not gpus.available and gpus.reason == "not available: this run uses no GPU (it runs on cpu)"
 
 
+def test_a_pickled_sampler_keeps_its_readings_and_words_its_reason_in_the_readers_language(monkeypatch, eight_gpu_host):
+    """The figure cache hands the Japanese edition the English edition's sampler."""
+    import pickle
+
+    from maskrcnn_tut.lab import wording
+    unavailable = pickle.loads(pickle.dumps(sample_once(monkeypatch, torch.device("cpu"))))
+    sampling = pickle.loads(pickle.dumps(sample_once(monkeypatch, torch.device("cuda", 1))))
+    assert sampling.available and [g["nvml_index"] for g in sampling.summary()] == [5]  # CUDA 1 is NVML 5 here
+    try:
+        wording.set_language("ja")
+        assert not unavailable.available and "cpu" in unavailable.reason and "this run" not in unavailable.reason
+    finally:
+        wording.set_language("en")
+    assert unavailable.reason == "not available: this run uses no GPU (it runs on cpu)"
+
+
 @pytest.fixture
 def swapped_gpus(monkeypatch):
     """Two GPUs, NVML's 1 sick with 4 NVLink links; CUDA shows them in the other order

@@ -67,6 +67,8 @@ from .harness import (
     measure_worker,
     multiscale_sizes,
     pin_cores,
+    repeated_losses,
+    step_rows,
     training_losses,
 )
 from .overhead import overhead
@@ -96,5 +98,5 @@ __all__ = [
     "pin_cores", "python_call", "results_path", "show_gpu_results", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
     "above", "cached", "describe_cache", "interval", "machine_busy", "projection", "scaling_curve", "spread_text", "timing_row", "versus",
-    "time_to_accuracy", "single_device_speed", "training_losses",
+    "time_to_accuracy", "single_device_speed", "repeated_losses", "step_rows", "training_losses",
 ]

@@ -28,7 +28,7 @@ from ...config import Config
 from ...engine import advance_schedule
 from ...errors import BenchError
 from ...hardware import peak_memory_mb, usable_cores
-from ...monitor import img_per_s_mean, img_per_s_median
+from ...monitor import img_per_s_mean, img_per_s_median, metrics_row
 from ..dataparallel import DetectionDataParallel, explain_unavailable
 from ..machine import reset_peak_memory
 from ..rig import LONG_SCHEDULE, SHAPES_SIZES, build_rig, shapes_config, shapes_dataset
@@ -199,6 +199,21 @@ def training_losses(cfg: Config, steps: int = 10, warmup: int = 2) -> list[float
     losses = []
     measure(cfg, steps=steps, warmup=warmup, callbacks=[lambda record: losses.append(record.loss)])
     return losses
+
+
+def repeated_losses(cfg: Config, steps: int = 3, warmup: int = 1, times: int = 2) -> list[list[float]]:
+    """`training_losses` of the same run `times` times in this process: equal lists say the run
+    repeats bit for bit (one call, so the figure cache keeps the pair, not one run handed out twice)."""
+    return [training_losses(cfg, steps, warmup) for _ in range(times)]
+
+
+def step_rows(cfg: Config, steps: int = 6, warmup: int = 1, max_seconds: float | None = None) -> list[dict]:
+    """The metrics row (`monitor.metrics_row`: data and compute time, img/s, memory) of each measured
+    step of `measure(cfg, steps, warmup, max_seconds=...)`, for `dashboard.plot_metrics`."""
+    rows = []
+    measure(cfg, steps=steps, warmup=warmup, max_seconds=max_seconds,
+            callbacks=[lambda record: rows.append(metrics_row([record], cfg.batch_size, du.info().device))])
+    return rows
 
 
 def pin_cores(threads: int) -> list[int] | None:
