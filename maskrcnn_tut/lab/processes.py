@@ -104,6 +104,11 @@ def _worker(rank, nprocs, port, backend, timeout_s, fn, args, messages, parent, 
         messages.put(("error", rank, traceback.format_exc()))
     finally:
         sys.stdout.flush()
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        # the report reaches the pipe before shutdown, which can block for good: torch 2.6's gloo joins its
+        # threads (one stuck in a collective a failed peer left) holding the GIL, which the queue's feeder needs
+        messages.close()
+        messages.join_thread()
         shutdown()
 
 

@@ -106,6 +106,13 @@ def rank_one_sleeps_rank_zero_waits() -> None:
     du.barrier()  # rank 0 waits for it in a collective
 
 
+def result_then_a_shutdown_that_holds_the_gil() -> str:
+    """Returns, then its shutdown blocks in C holding the GIL (as torch 2.6's gloo destructor did)."""
+    import ctypes
+    processes.shutdown = lambda: ctypes.PyDLL(None).sleep(600)  # a PyDLL call keeps the GIL
+    return "reported"
+
+
 def record_pids_then_sleep(folder: str) -> None:
     """Each rank starts a child, writes its own pid and the child's, then sleeps."""
     child = subprocess.Popen(SLEEPER)
@@ -150,6 +157,14 @@ def test_a_hang_names_the_hung_rank_not_the_one_waiting_for_it():
         processes.launch(rank_one_sleeps_rank_zero_waits, 2, timeout_s=12)
     message = str(caught.value)
     assert "worker 1 hung at" in message and "worker 0 waited for it in a collective" in message, message
+
+
+def test_a_result_reaches_launch_though_shutdown_then_blocks_holding_the_gil():
+    started = time.monotonic()
+    with _alarm(60):
+        assert processes.launch(result_then_a_shutdown_that_holds_the_gil, 1, timeout_s=20) == "reported"
+    assert time.monotonic() - started < 20, "launch waited for its deadline: the result stayed in the worker"
+    assert __import__("multiprocessing").active_children() == []
 
 
 def test_workers_and_their_children_end_when_the_launching_process_is_killed(tmp_path):
