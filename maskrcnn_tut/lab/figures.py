@@ -130,28 +130,31 @@ def once(fn: Callable, *args, **kwargs) -> Any:
             raise error
         return result
     written: list[tuple[str, str]] = []
-    result = error = None
     try:
         with contextlib.redirect_stdout(_Tee(sys.stdout, "stdout", written)), \
                 contextlib.redirect_stderr(_Tee(sys.stderr, "stderr", written)):
             result = fn(*args, **kwargs)
     except Exception as err:
-        error = err
+        _keep(path, written, None, err)
+        raise
+    _keep(path, written, result, None)
+    return result
+
+
+def _keep(path: Path, written: list, result: Any, error: Exception | None) -> None:
+    """Pickle a call's lines and outcome to `path` for its repeat. An error that does not pickle back
+    (an error class whose arguments do not rebuild it) is not kept: the repeat runs the call again."""
     try:
-        kept = pickle.dumps((list(written), result, error))
+        kept = pickle.dumps((written, result, error))
         if error is not None:
-            pickle.loads(kept)  # an error class whose arguments do not rebuild it fails here, not in the repeat
+            pickle.loads(kept)
     except (pickle.PicklingError, TypeError, AttributeError):
         if error is None:
             raise
-        kept = None  # the repeat runs `fn` again
-    if kept is not None:
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(kept)
-        os.replace(tmp, path)
-    if error is not None:
-        raise error
-    return result
+        return
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(kept)
+    os.replace(tmp, path)
 
 
 def work_dir(name: str) -> Path:
