@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .hardware import cuda_card, default_amp_dtype
+from .presets import PRESETS, cuda_choices
 
 #: The global batch the presets' learning rates are tuned for; `--lr` is scaled from it to the run's
 #: global batch by the rule `--lr-scaling` names (`lr_scale`).
@@ -29,41 +31,6 @@ REFERENCE_BATCH = 8
 #: for AdamW, whose update size does not grow with the gradient's (Malladi et al., "On the SDEs and
 #: Scaling Rules for Adaptive Gradient Algorithms", 2022).
 AUTO_LR_SCALING = {"sgd": "linear", "adamw": "sqrt"}
-
-#: Each preset as its differences from the dataclass defaults, which are cpu-tiny's.
-PRESETS: dict[str, dict[str, Any]] = {
-    # Learns from scratch on the shapes dataset on 2 CPU cores in minutes: ResNet-18 with trainable
-    # BatchNorm, a 64-channel normalized FPN with thin heads and 16-256 px anchors at 128 px, light
-    # RPN/RoI sampling, AdamW 2e-3 for a global batch of 8 (2 processes x 4).
-    "cpu-tiny": {},
-    # Real photos on a CPU: cpu-tiny at 192/288 px instead of 128/192 (at 128 px a 640x480 COCO
-    # photo becomes 170x128, where its small instances shrink to a few pixels). Meant first for the overfit
-    # check (`--overfit 8 --max-steps 200`), which proves data, labels and pipeline in minutes.
-    "cpu-real": dict(min_size=192, max_size=288),
-    # Mask R-CNN R50-FPN as torchvision's detection reference trains it, where it can be:
-    # its sizes and sampling, SGD momentum 0.9 with lr 0.02 per 16 images (its "0.02/8*$NGPU" at
-    # 2 images per GPU, i.e. 0.01 for REFERENCE_BATCH = 8), weight decay 1e-4, 1000 warm-up steps,
-    # x0.1 at 16/26 and 22/26 of training, DDP's own 25 MB buckets. Where it differs, and why:
-    # - no pretrained backbone is downloaded, so it trains from scratch: GroupNorm instead of
-    #   BatchNorm (2 images per GPU are too few for batch statistics; He et al., "Rethinking
-    #   ImageNet Pre-training", 2019), and 72 epochs (He et al.'s 6x schedule, 6 x 12 epochs, which
-    #   they needed from scratch; torchvision's 26 epochs assume an ImageNet backbone). With --weights
-    #   the preset freezes BatchNorm (norm frozen) and torchvision's 26 epochs are the right length.
-    # - AMP on (torchvision's --amp is off by default): fp16 autocast with GradScaler.
-    # - cudnn.benchmark off (Detectron2's default too): every new input shape is autotuned once, and
-    #   varied image sizes and the mask head's varying RoI count bring new shapes for thousands of
-    #   steps before the set is exhausted; chapter 6 measures what it costs and gains.
-    "gpu-r50": dict(
-        backbone="resnet50", norm="gn", min_size=800, max_size=1333,
-        fpn_channels=256, mask_head_layers=4, mask_head_channels=256, box_head_dim=1024,
-        anchor_sizes="32,64,128,256,512",
-        rpn_pre_nms_top_n=2000, rpn_post_nms_top_n=2000,
-        rpn_batch_size_per_image=256, box_batch_size_per_image=512,
-        batch_size=2, max_steps=None, epochs=72, optimizer="sgd", lr=0.01,
-        warmup_steps=1000, lr_decay="steps", amp=True, bucket_cap_mb=25.0,
-    ),
-}
-
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, bound: str | None = None) -> Any:
     """A `Config` field with its help (for `--help`) and its rules (for `validate`) beside it:
@@ -130,9 +97,10 @@ class Config:
     accum_steps: int = setting(1, "micro-steps accumulated per optimizer step (DDP syncs only on the last)",
                                bound=">0")
     clip_grad_norm: float | None = setting(None, "clip the global gradient norm to this value", bound=">0")
-    amp: bool = setting(False, "mixed precision: fp16 + GradScaler on CUDA, bf16 on CPU")
-    amp_dtype: str | None = setting(None, "autocast dtype of --amp: float16 (CUDA only) or bfloat16 (default: "
-                                          "float16 on CUDA, bfloat16 on CPU)", choices=("float16", "bfloat16"))
+    amp: bool = setting(False, "mixed precision: bf16 autocast, or fp16 + GradScaler on GPUs without bf16 units")
+    amp_dtype: str | None = setting(None, "autocast dtype of --amp: float16 (CUDA only, with a GradScaler) or "
+                                          "bfloat16 (default: bfloat16, but float16 on GPUs before compute "
+                                          "capability 8.0)", choices=("float16", "bfloat16"))
     # data loading
     workers: int | None = setting(None, "DataLoader worker processes per training process (default: 1 on CPUs, whose "
                                         "cores the training threads use; on GPUs its cores less one, <= 4)", bound=">=0")
@@ -165,9 +133,12 @@ class Config:
     deterministic: bool = setting(False, "deterministic algorithms and cuDNN (slower; exact on CPUs, best effort on GPUs)")
     channels_last: bool = setting(False, "NHWC memory format for the backbone and its input batch (faster "
                                          "tensor cores on GPUs)")
-    fixed_shapes: bool = setting(False, "pad every batch to one of three shapes (landscape, portrait, mixed) "
-                                        "instead of its largest image, so shapes repeat for --compile-backbone, "
-                                        "CUDA graphs and cudnn.benchmark")
+    pad_buckets: int = setting(0, "pad each side of a batch up to one of N sizes spread from --min-size to "
+                                  "--max-size, not to the batch's largest image (0: torchvision's way), so a run "
+                                  "meets a few input shapes, each paying cuDNN's first-shape cost once", bound=">=0")
+    fixed_shapes: bool = setting(False, "pad every batch to one of three shapes (landscape, portrait, mixed), i.e. "
+                                        "--pad-buckets 2, so shapes repeat for --compile-backbone, CUDA graphs and "
+                                        "cudnn.benchmark")
     compile_backbone: bool = setting(False, "torch.compile the backbone, FPN and RPN head (CUDA graphs on GPUs); "
                                             "use with --fixed-shapes, or every new image shape compiles again")
     decode_on_device: bool = setting(False, "decode training JPEGs on the device (nvJPEG on GPUs) in the main "
@@ -221,7 +192,8 @@ def resolve(cfg: Config, explicit: set[str] | None = None) -> Config:
         raise ConfigError(f"--preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     cfg.preset = preset
     cfg.given = tuple(sorted(set(cfg.given) | explicit))
-    for key, value in PRESETS[preset].items():
+    card = cuda_card() if cfg.accelerator != "cpu" else None
+    for key, value in (PRESETS[preset] | cuda_choices(preset, card)).items():
         if key not in explicit:
             setattr(cfg, key, value)
     if "epochs" in explicit and "max_steps" not in explicit:
@@ -258,7 +230,7 @@ class Run:
     global_batch: int = field(init=False)
     #: the user's lr (for REFERENCE_BATCH images) scaled to the global batch (`lr_scale`)
     scaled_lr: float = field(init=False)
-    #: the autocast dtype: "float32" unless --amp; then --amp-dtype, else float16 on CUDA, bfloat16 on CPU
+    #: the autocast dtype: "float32" unless --amp; then --amp-dtype, else `hardware.default_amp_dtype`
     precision: str = field(init=False)
     #: --pin-memory when typed, else on with CUDA
     pin_memory: bool = field(init=False)
@@ -271,7 +243,7 @@ class Run:
         global_batch = cfg.batch_size * cfg.accum_steps * self.world_size
         precision = "float32"
         if cfg.amp:
-            precision = cfg.amp_dtype or ("float16" if device.type == "cuda" else "bfloat16")
+            precision = cfg.amp_dtype or default_amp_dtype(device)
         facts = dict(settings=cfg, device=device, global_batch=global_batch, precision=precision,
                      scaled_lr=cfg.lr * lr_scale(cfg, global_batch),
                      pin_memory=device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory)
@@ -363,6 +335,8 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
     if cfg.static_graph and cfg.accum_steps > 1:
         raise ConfigError(f"--static-graph does not work with --accum-steps {cfg.accum_steps}: DDP's static graph "
                           "breaks on no_sync() accumulation (pytorch#143580); drop one of the two")
+    if cfg.pad_buckets == 1:
+        raise ConfigError("--pad-buckets 1 would pad every batch to --max-size on both sides; give 0 (off) or 2 or more")
     if cfg.sync_bn and cfg.norm != "bn":
         raise ConfigError(f"--sync-bn converts BatchNorm layers; it does not apply to --norm {cfg.norm}")
     if cfg.test_only and not (cfg.resume or cfg.weights):

@@ -11,6 +11,7 @@ The step, optimizer, autocast and GradScaler take a `config.Run` (`config.derive
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -41,9 +42,11 @@ class TrainState:
     batch_in_epoch: int = 0
     nonfinite_skipped: int = 0
     scaler_skipped: int = 0
+    #: steps whose shared values are still on their way to the host (`train_step(read=False)`); not saved
+    unread: list = field(default_factory=list, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {name: value for name, value in self.__dict__.items() if name != "unread"}
 
 
 def configure_runtime(cfg, device: torch.device) -> None:
@@ -114,16 +117,19 @@ def advance_schedule(scheduler) -> None:
 
 
 def build_optimizer(model: nn.Module, cfg: Run) -> torch.optim.Optimizer:
-    """AdamW or SGD at the run's scaled lr; no weight decay on norm layers and biases."""
+    """AdamW or SGD at the run's scaled lr; no weight decay on norm layers and biases. On GPUs the fused
+    implementation: one kernel per step for all parameters, where the per-parameter loop launches
+    hundreds (and, with a GradScaler, it skips an overflowed step without the host reading a flag)."""
     lr = require_run(cfg, "build_optimizer").scaled_lr
+    fused = {"fused": True} if cfg.device.type == "cuda" else {}
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (no_decay if param.ndim <= 1 else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
-    return torch.optim.AdamW(groups, lr=lr)
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, **fused)
+    return torch.optim.AdamW(groups, lr=lr, **fused)
 
 
 def ddp_no_sync(model: nn.Module, last_micro_step: bool):
@@ -223,17 +229,82 @@ def zero_grads(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=not getattr(model, "gradient_as_bucket_view", False))
 
 
-def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, device, state: TrainState,
-               term_names: list[str], stop_requested: bool = False) -> StepRecord:
+@dataclass
+class _Unread:
+    """A step's shared values on their way to the host (a copy queued behind the step's work), and
+    what the host knew of it when it was queued."""
+
+    names: list[str]
+    values: torch.Tensor
+    step: int
+    epoch: int
+    lr: float
+    iter_time: float
+
+
+def _to_host(shared: torch.Tensor) -> torch.Tensor:
+    """A host copy of `shared` that the host does not wait for: into pinned memory, behind the step's
+    queued work on GPUs (reading it later waits for that work alone); `shared` itself on a CPU."""
+    if shared.device.type == "cpu":
+        return shared
+    host = torch.empty(shared.shape, dtype=shared.dtype, pin_memory=True)
+    return host.copy_(shared, non_blocking=True)
+
+
+def _read(unread: _Unread, forward_times: bool) -> StepRecord:
+    """The record of a step whose values are on the host now."""
+    values, n = unread.values, len(unread.names)
+    world = values.shape[0]
+    mean_terms = (values[:, :n].sum(0) / world).tolist()
+    return StepRecord(step=unread.step, epoch=unread.epoch, lr=unread.lr, loss=sum(mean_terms),
+                      terms=dict(zip(unread.names, mean_terms)), data_time=float(values[:, n + 2].max()),
+                      iter_time=unread.iter_time,
+                      rank_forward_times=values[:, n + 1].tolist() if forward_times else [],
+                      stop_requested=bool(values[:, n + 3].any()))
+
+
+def _bad_ranks(unread: _Unread) -> list[int]:
+    n = len(unread.names)
+    return [r for r in range(unread.values.shape[0]) if unread.values[r, n] > 0]
+
+
+def _nonfinite(step: int, bad_ranks: list[int], rank: int, terms: dict[str, float] | None) -> NonFiniteLossError:
+    """The error for a non-finite loss; `terms`, this rank's loss terms where the host still has them."""
+    had = f"; this rank ({rank}) had {', '.join(f'{k}={v:.4g}' for k, v in terms.items())}" if terms else ""
+    return NonFiniteLossError(f"non-finite loss at step {step} on rank(s) {bad_ranks}{had}. Lower --lr, add "
+                              "--clip-grad-norm, check the data, or allow skips with --skip-nonfinite N")
+
+
+def _optimizer_step(model, optimizer, scaler, cfg: Run, state: TrainState) -> None:
+    if cfg.clip_grad_norm is not None:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+    scale_before = scaler.get_scale() if scaler.is_enabled() else None
+    scaler.step(optimizer)
+    scaler.update()
+    if scale_before is not None and scaler.get_scale() < scale_before:
+        state.scaler_skipped += 1  # fp16 overflow: GradScaler skipped this step by design
+
+
+def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, state: TrainState, *,
+               stop_requested: bool = False, read: bool = True) -> list[StepRecord]:
     """One optimizer step: `accum_steps` forward/backward micro-steps, then clip and step.
 
-    Returns the step's record; raises `NonFiniteLossError` on every rank when any rank's loss is
-    not finite (unless `--skip-nonfinite` still allows skipping it). `stop_requested` (this rank
-    was told to stop) travels in the shared all-reduce, so every rank stops after the same step.
+    Returns the records of the steps whose values the host read with this one: this step's alone,
+    or with `read=False` none: the step's shared values stay on their way to the host, and the
+    host does not wait for the device (no sync in this function); a later read step returns them
+    all, oldest first. Such an unread step is stepped without the non-finite check, which its read
+    step makes for it (so a loop reads before each checkpoint). fp16's GradScaler and
+    --skip-nonfinite decide before the optimizer step, so with either every step is read.
+    Raises `NonFiniteLossError` on every rank when any rank's loss is not finite (unless
+    `--skip-nonfinite` still allows skipping it). `stop_requested` (this rank was told to stop)
+    travels in the shared all-reduce, so every rank learns it at the same read step.
     """
     start = time.perf_counter()
     info = du.info()
-    accum = require_run(cfg, "train_step").accum_steps
+    device = require_run(cfg, "train_step").device
+    accum = cfg.accum_steps
+    read = read or scaler.is_enabled() or cfg.skip_nonfinite > 0
     data_time = 0.0
     forward_spans = []
     totals: dict[str, torch.Tensor] = {}
@@ -247,46 +318,42 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, device, st
         forward_spans.append(span)
         for name, value in loss_dict.items():
             totals[name] = totals.get(name, 0.0) + value.detach().float() / accum
-    if not term_names:
-        term_names.extend(sorted(totals))
+    names = sorted(totals)
     # one small all-reduce: each rank fills its own row with its terms, a NaN flag and its times
-    n = len(term_names)
+    n = len(names)
     shared = torch.zeros(info.world_size, n + 4, device=device)
-    local = torch.stack([totals[name] for name in term_names])
+    local = torch.stack([totals[name] for name in names])
     shared[info.rank, :n] = torch.nan_to_num(local, nan=0.0, posinf=0.0, neginf=0.0)
     shared[info.rank, n] = (~torch.isfinite(local)).any().float()
-    shared[info.rank, n + 1] = sum(_seconds(*span) for span in forward_spans)  # every backward is queued by now
+    if read:  # reading the forward's end waits for the device; every backward is queued by now
+        shared[info.rank, n + 1] = sum(_seconds(*span) for span in forward_spans)
     shared[info.rank, n + 2] = data_time
     shared[info.rank, n + 3] = float(stop_requested)
     du.all_reduce_sum(shared)
-    shared = shared.cpu()
-    bad_ranks = [r for r in range(info.world_size) if shared[r, n] > 0]
+    lr = optimizer.param_groups[0]["lr"]
+    if not read:
+        _optimizer_step(model, optimizer, scaler, cfg, state)
+        state.step += 1
+        state.unread.append(_Unread(names, _to_host(shared), state.step, state.epoch, lr,
+                                    time.perf_counter() - start))
+        return []
+    now = _Unread(names, shared.cpu(), state.step + 1, state.epoch, lr, 0.0)  # waits for the step's work
+    earlier, state.unread = state.unread, []
+    for unread in earlier:  # their copies were queued before this one: on the host by now
+        if _bad_ranks(unread):
+            raise _nonfinite(unread.step, _bad_ranks(unread), info.rank, None)
+    records = [_read(unread, False) for unread in earlier]
+    bad_ranks = _bad_ranks(now)
     if bad_ranks:
-        mine = {name: float(totals[name]) for name in term_names}
         if state.nonfinite_skipped >= cfg.skip_nonfinite:
-            raise NonFiniteLossError(
-                f"non-finite loss at step {state.step + 1} on rank(s) {bad_ranks}; this rank ({info.rank}) "
-                f"had {', '.join(f'{k}={v:.4g}' for k, v in mine.items())}. Lower --lr, add "
-                f"--clip-grad-norm, check the data, or allow skips with --skip-nonfinite N")
+            raise _nonfinite(now.step, bad_ranks, info.rank, {name: float(totals[name]) for name in names})
         state.nonfinite_skipped += 1
         zero_grads(model, optimizer)
         if info.is_main:
             log.warning("non-finite loss at step %d on rank(s) %s: step skipped (%d of --skip-nonfinite %d)",
-                        state.step + 1, bad_ranks, state.nonfinite_skipped, cfg.skip_nonfinite)
+                        now.step, bad_ranks, state.nonfinite_skipped, cfg.skip_nonfinite)
     else:
-        if cfg.clip_grad_norm is not None:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-        scale_before = scaler.get_scale() if scaler.is_enabled() else None
-        scaler.step(optimizer)
-        scaler.update()
-        if scale_before is not None and scaler.get_scale() < scale_before:
-            state.scaler_skipped += 1  # fp16 overflow: GradScaler skipped this step by design
+        _optimizer_step(model, optimizer, scaler, cfg, state)
     state.step += 1
-    mean_terms = (shared[:, :n].sum(0) / info.world_size).tolist()
-    terms = dict(zip(term_names, mean_terms))
-    return StepRecord(step=state.step, epoch=state.epoch, lr=optimizer.param_groups[0]["lr"],
-                      loss=sum(mean_terms), terms=terms, data_time=float(shared[:, n + 2].max()),
-                      iter_time=time.perf_counter() - start,
-                      rank_forward_times=shared[:, n + 1].tolist(), skipped=bool(bad_ranks),
-                      stop_requested=bool(shared[:, n + 3].any()))
+    now.iter_time = time.perf_counter() - start
+    return records + [dataclasses.replace(_read(now, True), skipped=bool(bad_ranks))]

@@ -3,7 +3,7 @@
 - `usable_cores()`: the cores this process may really use: its affinity mask, capped by a cgroup
   CPU quota (v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, v2 `cpu.max`), which `nproc` and
   `sched_getaffinity` do not see (a Kubernetes pod limited to 4 CPUs on a 64-core node).
-- `ram_gb()`, `gpu_count()`: what the machine has.
+- `ram_gb()`, `gpu_count()`, `cuda_card()`: what the machine has; `default_amp_dtype`, what its GPU computes in.
 - `nvidia_gpus()`, `gpus_torch_cannot_use()`: the NVIDIA GPUs the machine has, whether torch can
   use them or not (a torch built for a newer CUDA than the driver's sees none).
 - `peak_memory_mb`: the CUDA allocator's peak on GPUs, the process's resident peak on CPUs.
@@ -92,6 +92,24 @@ def ram_gb() -> float | None:
 
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cuda_card() -> tuple[float, tuple[int, int]] | None:
+    """(memory GiB, compute capability) of the smallest visible CUDA GPU, the one a setting must fit;
+    None without CUDA."""
+    if not gpu_count():
+        return None
+    cards = [torch.cuda.get_device_properties(i) for i in range(gpu_count())]
+    small = min(cards, key=lambda card: card.total_memory)
+    return small.total_memory / 2**30, (small.major, small.minor)
+
+
+def default_amp_dtype(device: torch.device) -> str:
+    """--amp's dtype when --amp-dtype is not given: bfloat16, but float16 on GPUs before compute capability
+    8.0, which have no bfloat16 units (torch emulates it there, slower than fp32)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "float16"
+    return "bfloat16"
 
 
 #: Where the driver's device files and version are (module constants, so tests can point elsewhere).

@@ -65,9 +65,10 @@ def build_model(cfg, num_classes: int) -> MaskRCNN:
         mask_head=MaskRCNNHeads(cfg.fpn_channels, mask_layers, 1, norm_layer=head_norm),
         mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], num_classes),
     )
-    if cfg.fixed_shapes or cfg.channels_last:
+    buckets = 2 if cfg.fixed_shapes else cfg.pad_buckets
+    if buckets or cfg.channels_last:
         model.transform.__class__ = BatchTransform  # adds no state: only how a batch is laid out
-        model.transform.fixed_shapes, model.transform.channels_last = cfg.fixed_shapes, cfg.channels_last
+        model.transform.buckets, model.transform.channels_last = buckets, cfg.channels_last
     if cfg.weights_backbone:
         load_backbone_weights(model, cfg.weights_backbone)
     if cfg.weights:
@@ -88,28 +89,36 @@ def _round_up(value: int, multiple: int) -> int:
 class BatchTransform(GeneralizedRCNNTransform):
     """torchvision's transform, with two choices of how a batch is laid out.
 
-    `fixed_shapes` (`--fixed-shapes`): every batch is padded to one of three shapes instead of to
-    its largest image. After resizing, a landscape image is at most min_size x max_size and a
-    portrait one at most max_size x min_size; padding to those (rounded up to the stride) leaves
-    the backbone, FPN and RPN head three input shapes in all (a batch of both orientations gets
-    max x max). Repeated shapes are what torch.compile, CUDA graphs and cudnn.benchmark need; the
-    price is the padding. Boxes and the sizes that scale predictions back are the unpadded ones.
+    `buckets` (`--pad-buckets N`; `--fixed-shapes` is N = 2): each side of a batch is padded up to the
+    next of N sizes spread evenly from min_size to max_size (rounded up to the stride), instead of to
+    its largest image. After resizing, an image's sides lie between those two, so the backbone, FPN
+    and RPN head meet at most N x N input shapes in all; with N = 2 three (landscape min x max,
+    portrait max x min, and max x max for a batch of both). Repeated shapes are what cuDNN's plan
+    cache, torch.compile, CUDA graphs and cudnn.benchmark need; the price is the padding. Boxes and
+    the sizes that scale predictions back are the unpadded ones.
     `channels_last` (`--channels-last`): the batch is handed over in NHWC already.
     """
 
-    fixed_shapes = False
+    buckets = 0
     channels_last = False
 
     def batch_images(self, images: list[torch.Tensor], size_divisible: int = 32) -> torch.Tensor:
-        batch = self._fixed_batch(images, size_divisible) if self.fixed_shapes else \
+        batch = self._bucketed_batch(images, size_divisible) if self.buckets else \
             super().batch_images(images, size_divisible)
         return batch.contiguous(memory_format=torch.channels_last) if self.channels_last else batch
 
-    def _fixed_batch(self, images: list[torch.Tensor], size_divisible: int) -> torch.Tensor:
-        short = _round_up(max(self.min_size), size_divisible)
-        long = _round_up(max(self.max_size, max(self.min_size)), size_divisible)
-        landscape = [image.shape[-1] >= image.shape[-2] for image in images]
-        height, width = (short, long) if all(landscape) else (long, short) if not any(landscape) else (long, long)
+    def bucket_sizes(self, size_divisible: int = 32) -> list[int]:
+        """The side lengths a batch is padded to, smallest first."""
+        low, high = max(self.min_size), max(self.max_size, max(self.min_size))
+        steps = self.buckets - 1
+        return [_round_up(low + (high - low) * i / steps, size_divisible) for i in range(self.buckets)]
+
+    def _bucketed_batch(self, images: list[torch.Tensor], size_divisible: int) -> torch.Tensor:
+        sizes = self.bucket_sizes(size_divisible)
+        height, width = (max(image.shape[dim] for image in images) for dim in (-2, -1))
+        # the first bucket that holds the side (an image larger than them all keeps torchvision's padding)
+        height, width = (next((size for size in sizes if size >= side), _round_up(side, size_divisible))
+                         for side in (height, width))
         batch = images[0].new_zeros((len(images), images[0].shape[0], height, width))
         for slot, image in zip(batch, images):
             slot[:, : image.shape[-2], : image.shape[-1]].copy_(image)

@@ -170,16 +170,26 @@ def run(settings: Config) -> dict:
     started = time.perf_counter()
     start_step = state.step
     batches = batch_stream(train_loader, state)
-    term_names: list[str] = []
+    # on GPUs the host reads a step's loss only when something needs it (a log line, a checkpoint, an
+    # evaluation, the end), so it never waits for the device in between; a CPU reads every step for free
+    read_all = device.type != "cuda"
+
+    def due(step: int) -> bool:
+        return (step % cfg.print_freq == 0 or step % cfg.checkpoint_every == 0 or step == total_steps
+                or bool(cfg.eval_every and step % cfg.eval_every == 0))
+
     with StopRequest() as stop:
         model.train()
         try:
             while state.step < total_steps:
-                record = train_step(model, optimizer, scaler, batches, cfg, device, state, term_names,
-                                    stop_requested=stop.cause is not None)
+                records = train_step(model, optimizer, scaler, batches, cfg, state,
+                                     stop_requested=stop.cause is not None, read=read_all or due(state.step + 1))
                 advance_schedule(scheduler)
-                logger(record)
-                stragglers(record)
+                for record in records:
+                    logger(record)
+                    stragglers(record)
+                if not records:
+                    continue
                 if record.step % cfg.checkpoint_every == 0 or record.step == total_steps or record.stop_requested:
                     save_checkpoint()
                 if record.stop_requested:

@@ -11,7 +11,7 @@ import torch
 
 
 class FakeNvml:
-    """`gpus` GPUs. NVML GPU i is 10 x i % busy and uses i + 1 GiB of 80; the GPUs in `sick` have
+    """`gpus` GPUs of `memory_gib` and compute `capability`. NVML GPU i is 10 x i % busy and uses i + 1 GiB of 80; the GPUs in `sick` have
     3 uncorrected ECC errors, 91 °C and thermal throttling; `nvlinks` maps a GPU to its active
     links (each GPU has 4); the GPUs in `exclusive` are in EXCLUSIVE_PROCESS compute mode."""
 
@@ -22,7 +22,8 @@ class FakeNvml:
     NVMLError = RuntimeError
 
     def __init__(self, gpus: int = 8, sick: frozenset[int] = frozenset(), nvlinks: dict[int, int] | None = None,
-                 exclusive: frozenset[int] = frozenset()):
+                 exclusive: frozenset[int] = frozenset(), memory_gib: int = 80, capability: tuple[int, int] = (9, 0)):
+        self.memory_gib, self.capability = memory_gib, capability
         self.uuids = [f"GPU-{i:08x}-1111-2222-3333-{i:012x}" for i in range(gpus)]
         self.sick, self.nvlinks, self.exclusive = sick, nvlinks or {}, exclusive
         self.open = 0  # nvmlInit minus nvmlShutdown calls
@@ -99,7 +100,8 @@ class FakeNvml:
     def get_device_properties(self, index: int):
         number = self.visible()[index]
         return SimpleNamespace(name="Fake GPU", uuid=self.uuids[number][4:], pci_domain_id=0,
-                               pci_bus_id=0x10 + number, pci_device_id=0, total_memory=80 * 2**30)
+                               pci_bus_id=0x10 + number, pci_device_id=0, total_memory=self.memory_gib * 2**30,
+                               major=self.capability[0], minor=self.capability[1])
 
 
 def host(monkeypatch, nvml: FakeNvml, visible: str) -> FakeNvml:
@@ -110,4 +112,5 @@ def host(monkeypatch, nvml: FakeNvml, visible: str) -> FakeNvml:
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", nvml.device_count)
     monkeypatch.setattr(torch.cuda, "get_device_properties", nvml.get_device_properties)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: nvml.capability)
     return nvml

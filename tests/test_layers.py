@@ -14,7 +14,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "maskrcnn_tut"
 BOOK_ONLY = ("matplotlib", "ipywidgets", "IPython", "pynvml")
-CORE_MAX_LINES = 5000
+#: The core's line budget; code only the lab uses leaves the core before the budget grows.
+CORE_MAX_LINES = 6000
 MODULE_MAX_LINES = 400
 
 
@@ -123,7 +124,8 @@ def test_the_core_imports_no_lab_and_no_book_library_at_module_level():
 def test_the_core_stays_small_and_no_module_is_long():
     counts = line_counts(PACKAGE)
     core = sum(n for name, n in counts.items() if is_core(name, PACKAGE))
-    assert core <= CORE_MAX_LINES, f"the core has {core} lines"
+    print(f"the core: {core} of {CORE_MAX_LINES} lines")
+    assert core <= CORE_MAX_LINES, f"the core has {core} lines, over its budget of {CORE_MAX_LINES}"
     assert {name: n for name, n in counts.items() if n > MODULE_MAX_LINES} == {}
 
 

@@ -100,7 +100,6 @@ class Rig:
     batches: Iterator
     train_set: object | None = None  # the CocoDetection the loader reads (None for batches given)
     loader: torch.utils.data.DataLoader | None = None
-    term_names: list[str] = field(default_factory=list)
 
     @property
     def module(self) -> nn.Module:
@@ -110,8 +109,8 @@ class Rig:
     def step(self, stop_requested: bool = False) -> StepRecord:
         """One `engine.train_step` on the next batches (the schedule is the caller's to step, as
         train.py steps it after each step)."""
-        return train_step(self.model, self.optimizer, self.scaler, self.batches, self.cfg, self.device, self.state,
-                          self.term_names, stop_requested=stop_requested)
+        return train_step(self.model, self.optimizer, self.scaler, self.batches, self.cfg, self.state,
+                          stop_requested=stop_requested)[-1]
 
 
 def build_rig(settings: Config, *, device: torch.device | str | None = None, batches: Iterable | None = None,

@@ -5,6 +5,7 @@ import json
 import subprocess
 
 import pytest
+import torch
 from conftest import PYTHON, TRAIN_SCRIPT, subprocess_env
 
 from maskrcnn_tut.config import PRESETS, REFERENCE_BATCH, Config, flag_fields, make_config
@@ -98,3 +99,29 @@ def test_print_config_shows_the_settings_and_what_the_run_derives_without_traini
     assert printed["derived"] == {"world_size": 1, "device": "cpu", "global_batch": 6,
                                   "scaled_lr": pytest.approx(0.004 * (6 / REFERENCE_BATCH) ** 0.5),
                                   "precision": "float32", "pin_memory": False}
+
+
+@pytest.mark.parametrize("memory_gib, capability, batch, precision", [
+    (141, (9, 0), 8, "bfloat16"),   # an H200
+    (24, (8, 6), 4, "bfloat16"),    # an RTX 3090 / A10
+    (16, (7, 0), 2, "float16"),     # a V100: no bf16 units, so fp16 with a GradScaler
+])
+def test_gpu_r50_fits_its_batch_and_precision_to_the_card_in_print_config(monkeypatch, capsys, memory_gib, capability,
+                                                                          batch, precision):
+    """On a (simulated) CUDA host the preset is gpu-r50 with the card's images per GPU, aspect-ratio grouping,
+    bucketed padding and bf16 where the card has bf16 units; the user's typed values still win."""
+    from fake_gpus import FakeNvml, host
+
+    from maskrcnn_tut import train
+    host(monkeypatch, FakeNvml(gpus=1, memory_gib=memory_gib, capability=capability), "0")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    assert train.main(["--print-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["preset"], printed["batch_size"], printed["aspect_ratio_group_factor"], printed["pad_buckets"],
+            printed["amp"]) == ("gpu-r50", batch, 3, 4, True)
+    assert printed["derived"]["precision"] == precision and printed["derived"]["device"] == "cuda:0"
+    assert printed["derived"]["scaled_lr"] == pytest.approx(0.01 * batch / REFERENCE_BATCH)  # linear for SGD
+    assert train.main(["--print-config", "--batch-size", "3", "--amp-dtype", "float16"]) == 0
+    typed = json.loads(capsys.readouterr().out)
+    assert (typed["batch_size"], typed["derived"]["precision"]) == (3, "float16")

@@ -51,10 +51,13 @@ def test_warmup_then_cosine_schedule():
     assert factor(110) == pytest.approx(0.0, abs=1e-12)
 
 
-def test_autocast_dtype_follows_the_device():
+def test_autocast_dtype_follows_the_device(monkeypatch):
+    """bf16 on CPUs and on GPUs with bf16 units (no GradScaler, whose reads sync the host); fp16 before them."""
     cfg = make_config("cpu-tiny", amp=True)
     assert autocast_dtype(derive(cfg, 1, "cpu")) == torch.bfloat16
-    assert autocast_dtype(derive(cfg, 1, "cuda")) == torch.float16
+    for capability, dtype in (((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16), ((7, 5), torch.float16)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert autocast_dtype(derive(cfg, 1, "cuda")) == dtype
     assert autocast_dtype(derive(make_config("cpu-tiny"), 1, "cpu")) is None
     assert not make_scaler(derive(cfg, 1, "cpu"), torch.device("cpu")).is_enabled()  # bf16 needs no GradScaler
     with pytest.raises(TypeError, match="config.derive"):
@@ -75,7 +78,7 @@ def test_nonfinite_loss_names_step_and_terms():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(NonFiniteLossError, match=r"step 1 on rank\(s\) \[0\].*loss_other=nan"):
         train_step(model, optimizer, make_scaler(cfg, torch.device("cpu")), iter(proofs.toy_batches(1, 2)),
-                   cfg, torch.device("cpu"), TrainState(), [])
+                   cfg, TrainState())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # no update applied
 
 
@@ -83,7 +86,7 @@ def test_skip_nonfinite_skips_and_counts():
     cfg = derive(make_config("cpu-tiny", optimizer="sgd", skip_nonfinite=1), 1, "cpu")
     model, state = _NanModel(), TrainState()
     record = train_step(model, build_optimizer(model, cfg), make_scaler(cfg, torch.device("cpu")),
-                        iter(proofs.toy_batches(1, 2)), cfg, torch.device("cpu"), state, [])
+                        iter(proofs.toy_batches(1, 2)), cfg, state)[-1]
     assert record.skipped and state.nonfinite_skipped == 1 and state.step == 1
 
 
@@ -103,7 +106,7 @@ def test_the_step_records_this_rank_forward_time_apart_from_the_rest():
             yield batch
 
     record = train_step(model, build_optimizer(model, cfg), make_scaler(cfg, torch.device("cpu")), slow_batches(),
-                        cfg, torch.device("cpu"), TrainState(), [])
+                        cfg, TrainState())[-1]
     assert 0.2 <= record.rank_forward_times[0] < 0.3
     assert record.data_time >= 0.3 and record.iter_time >= 0.5
 
@@ -132,3 +135,40 @@ def test_ddp_gradients_stay_in_its_buckets_between_steps(tmp_path):
     plain(torch.ones(1, 4)).sum().backward()
     zero_grads(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
     assert all(p.grad is None for p in plain.parameters())  # without DDP: freed, as before
+
+
+def test_unread_steps_come_back_at_the_read_step_with_the_values_a_read_would_give():
+    """`read=False` (train.py on GPUs between log lines): the host does not take the step's values; the
+    next read step returns every step since, oldest first, with the losses that reading each would give."""
+    cfg = derive(make_config("cpu-tiny", optimizer="sgd"), 1, "cpu")
+    runs = {}
+    for pattern in ((True, True, True), (False, False, True)):
+        torch.manual_seed(0)
+        model, state = proofs.TinyDetector(), TrainState()
+        optimizer, batches = build_optimizer(model, cfg), iter(proofs.toy_batches(3, 2))
+        returned = [train_step(model, optimizer, make_scaler(cfg, torch.device("cpu")), batches, cfg, state, read=read)
+                    for read in pattern]
+        runs[pattern] = returned
+        assert state.step == 3 and state.unread == []
+    read_each, read_late = runs[(True, True, True)], runs[(False, False, True)]
+    assert read_late[:2] == [[], []]
+    assert [r.step for r in read_late[2]] == [1, 2, 3]
+    assert [r.loss for r in read_late[2]] == [records[0].loss for records in read_each]
+
+
+def test_a_nonfinite_loss_in_an_unread_step_stops_at_the_read_step_naming_it():
+    cfg = derive(make_config("cpu-tiny", optimizer="sgd"), 1, "cpu")
+    model, state = _NanModel(), TrainState()
+    optimizer, scaler = build_optimizer(model, cfg), make_scaler(cfg, torch.device("cpu"))
+    batches = iter(proofs.toy_batches(2, 2))
+    assert train_step(model, optimizer, scaler, batches, cfg, state, read=False) == []
+    with pytest.raises(NonFiniteLossError, match=r"step 1 on rank\(s\) \[0\]"):
+        train_step(model, optimizer, scaler, batches, cfg, state)
+
+
+def test_skip_nonfinite_reads_every_step_whatever_the_loop_asks():
+    cfg = derive(make_config("cpu-tiny", optimizer="sgd", skip_nonfinite=1), 1, "cpu")
+    model, state = _NanModel(), TrainState()
+    records = train_step(model, build_optimizer(model, cfg), make_scaler(cfg, torch.device("cpu")),
+                         iter(proofs.toy_batches(1, 2)), cfg, state, read=False)
+    assert [r.skipped for r in records] == [True]

@@ -108,10 +108,10 @@ def straggler_steps(delays: dict[str, list[float]], steps: int = 6) -> dict:
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(SlowForward(TinyDetector(), per_rank[info.rank]))
         optimizer, scaler = build_optimizer(model, cfg), make_scaler(cfg, info.device)
-        batches, state, terms = iter(toy_batches(steps, 2, seed=info.rank)), TrainState(), []
+        batches, state = iter(toy_batches(steps, 2, seed=info.rank)), TrainState()
         check, forward = StragglerCheck(every=steps), []
         for _ in range(steps):
-            record = train_step(model, optimizer, scaler, batches, cfg, info.device, state, terms)
+            record = train_step(model, optimizer, scaler, batches, cfg, state)[-1]
             check(record)
             forward.append(record.rank_forward_times)
         out[name] = {"warnings": check.warnings, "forward": forward}

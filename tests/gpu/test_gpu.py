@@ -39,9 +39,9 @@ def _steps(precision_flags: dict, steps: int = 3):
     torch.manual_seed(0)
     model = build_model(cfg, 4).to(DEVICE)
     optimizer, scaler = build_optimizer(model, cfg), make_scaler(cfg, DEVICE)
-    state, names = TrainState(), []
+    state = TrainState()
     batches = iter([synthetic_batch(128, 2, seed=i) for i in range(steps)])
-    records = [train_step(model, optimizer, scaler, batches, cfg, DEVICE, state, names) for _ in range(steps)]
+    records = [train_step(model, optimizer, scaler, batches, cfg, state)[-1] for _ in range(steps)]
     return cfg, scaler, records
 
 
@@ -57,16 +57,16 @@ def test_fp16_grad_scaler_skips_an_overflowing_step_and_backs_off():
     cfg = derive(make_config("cpu-tiny", min_size=128, max_size=192, amp=True, amp_dtype="float16"), 1, DEVICE)
     torch.manual_seed(0)
     model = build_model(cfg, 4).to(DEVICE)
-    optimizer, scaler, state, names = build_optimizer(model, cfg), make_scaler(cfg, DEVICE), TrainState(), []
+    optimizer, scaler, state = build_optimizer(model, cfg), make_scaler(cfg, DEVICE), TrainState()
     batches = iter([synthetic_batch(128, 2, seed=i) for i in range(3)])
-    train_step(model, optimizer, scaler, batches, cfg, DEVICE, state, names)
+    train_step(model, optimizer, scaler, batches, cfg, state)
     scaler.update(new_scale=2.0 ** 60)
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    train_step(model, optimizer, scaler, batches, cfg, DEVICE, state, names)
+    train_step(model, optimizer, scaler, batches, cfg, state)
     after = [p.detach() for p in model.parameters() if p.requires_grad]
     assert state.scaler_skipped == 1 and scaler.get_scale() == 2.0 ** 59
     assert all(torch.equal(b, a) for b, a in zip(before, after))
-    record = train_step(model, optimizer, scaler, batches, cfg, DEVICE, state, names)
+    record = train_step(model, optimizer, scaler, batches, cfg, state)[-1]
     assert torch.isfinite(torch.tensor(record.loss))
 
 
@@ -86,7 +86,7 @@ def test_nccl_group_of_one_and_ddp_train_a_step(monkeypatch):
         cfg = derive(make_config("cpu-tiny"), 1, DEVICE)
         model = torch.nn.parallel.DistributedDataParallel(build_model(cfg, 4).to(DEVICE), device_ids=[0])
         record = train_step(model, build_optimizer(model, cfg), make_scaler(cfg, DEVICE),
-                            iter([synthetic_batch(128, 2)]), cfg, DEVICE, TrainState(), [])
+                            iter([synthetic_batch(128, 2)]), cfg, TrainState())[-1]
         assert torch.isfinite(torch.tensor(record.loss))
     finally:
         torch.distributed.destroy_process_group()
@@ -130,9 +130,9 @@ def ddp_steps_through_wrap_ddp(accum_steps: int) -> dict:
                  info.device)
     torch.manual_seed(0)
     model = du.wrap_ddp(build_model(cfg, 4).to(info.device), cfg, info)
-    optimizer, scaler, state, names = build_optimizer(model, cfg), make_scaler(cfg, info.device), TrainState(), []
+    optimizer, scaler, state = build_optimizer(model, cfg), make_scaler(cfg, info.device), TrainState()
     batches = iter([synthetic_batch(128, 2, seed=10 * info.rank + i) for i in range(2 * accum_steps)])
-    losses = [train_step(model, optimizer, scaler, batches, cfg, info.device, state, names).loss for _ in range(2)]
+    losses = [train_step(model, optimizer, scaler, batches, cfg, state)[-1].loss for _ in range(2)]
     return {"device": str(info.device), "losses": losses, "syncs_buffers": ddp_syncs_buffers(model)}
 
 
@@ -172,8 +172,8 @@ def test_decode_on_device_then_a_step_keeps_the_cuda_rng_and_the_pixels():
     cfg = derive(make_config("cpu-tiny", min_size=128, max_size=192), 1, DEVICE)
     torch.manual_seed(0)
     model = build_model(cfg, 4).to(DEVICE)
-    optimizer, scaler, state, names = build_optimizer(model, cfg), make_scaler(cfg, DEVICE), TrainState(), []
-    train_step(model, optimizer, scaler, iter([synthetic_batch(128, 2)]), cfg, DEVICE, state, names)  # queued work
+    optimizer, scaler, state = build_optimizer(model, cfg), make_scaler(cfg, DEVICE), TrainState()
+    train_step(model, optimizer, scaler, iter([synthetic_batch(128, 2)]), cfg, state)  # queued work
     data = [_jpeg(seed) for seed in range(4)]
     targets = [{"boxes": torch.tensor([[10.0, 10, 60, 60]]), "labels": torch.tensor([1]),
                 "masks": torch.zeros(1, 128, 160, dtype=torch.uint8)} for _ in data]
@@ -186,7 +186,7 @@ def test_decode_on_device_then_a_step_keeps_the_cuda_rng_and_the_pixels():
     for image, raw in zip(images, data):
         assert image.device == DEVICE
         assert (image.int().cpu() - decode_jpeg(raw).int()).abs().float().mean() < 2  # nvJPEG vs libjpeg rounding
-    record = train_step(model, optimizer, scaler, iter([(images, moved)]), cfg, DEVICE, state, names)
+    record = train_step(model, optimizer, scaler, iter([(images, moved)]), cfg, state)[-1]
     assert torch.isfinite(torch.tensor(record.loss))
 
 

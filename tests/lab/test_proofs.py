@@ -18,15 +18,16 @@ META = torch.device("meta")
 def test_accumulated_gradients_train_on_the_models_device(monkeypatch):
     seen = {}
 
-    def spy_train_step(model, optimizer, scaler, batches, cfg, device, state, term_names, stop_requested):
-        seen.update(device=device, cfg_device=cfg.device, precision=cfg.precision)
+    def spy_train_step(model, optimizer, scaler, batches, cfg, state, stop_requested):
+        seen.update(device=cfg.device, params={p.device for p in model.parameters()}, precision=cfg.precision)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
+        return [None]
 
     monkeypatch.setattr(rig, "train_step", spy_train_step)
     model = proofs.TinyDetector().to(META)
     grads = proofs.accumulated_gradients(model, proofs.toy_batches(1, 2), 1)
-    assert seen == {"device": META, "cfg_device": META, "precision": "float32"}
+    assert seen == {"device": META, "params": {META}, "precision": "float32"}
     assert {g.device for g in grads.values()} == {META}
 
 

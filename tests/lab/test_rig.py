@@ -50,7 +50,7 @@ def train_py_first_step(shapes_root, tmp_path, monkeypatch):
     """train.py's `run` on the settings, stopped at its first step: (snapshot, loader devices)."""
     seen, devices = {}, []
 
-    def first_step(model, optimizer, scaler, batches, cfg, device, state, *args, **kwargs):
+    def first_step(model, optimizer, scaler, batches, cfg, state, *args, **kwargs):
         seen.update(_snapshot(model, batches, cfg, scaler))
         raise FirstStep
 

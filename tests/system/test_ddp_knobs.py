@@ -53,10 +53,10 @@ def train_with_unused_layer(find_unused_parameters: bool) -> str:
     model = du.wrap_ddp(DetectorWithUnusedLayer(), cfg, du.info())
     optimizer = build_optimizer(model, cfg)
     device = torch.device("cpu")
-    batches, state, names = iter(toy_batches(3, 2, seed=du.info().rank)), TrainState(), []
+    batches, state = iter(toy_batches(3, 2, seed=du.info().rank)), TrainState()
     try:
         for _ in range(3):
-            train_step(model, optimizer, make_scaler(cfg, device), batches, cfg, device, state, names)
+            train_step(model, optimizer, make_scaler(cfg, device), batches, cfg, state)
     except UnusedParametersError as err:
         return f"UnusedParametersError: {err}"
     return "trained"
