@@ -243,11 +243,9 @@ class _Unread:
 
 
 def _to_host(shared: torch.Tensor) -> torch.Tensor:
-    """A host copy of `shared` that the host does not wait for: into pinned memory, behind the step's
-    queued work on GPUs (reading it later waits for that work alone); `shared` itself on a CPU."""
-    if shared.device.type == "cpu":
-        return shared
-    host = torch.empty(shared.shape, dtype=shared.dtype, pin_memory=True)
+    """A host copy of `shared` that the host does not wait for: on GPUs into pinned memory, queued
+    behind the step's work (reading it later waits for that work alone)."""
+    host = torch.empty(shared.shape, dtype=shared.dtype, pin_memory=shared.is_cuda)
     return host.copy_(shared, non_blocking=True)
 
 
