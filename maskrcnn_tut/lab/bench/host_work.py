@@ -6,15 +6,15 @@ At two images per GPU an H200 waits on the host (2026-12-04: steps of 55-70 ms a
 15-30 ms of GPU work), so these counts are what a faster step has to cut. They are counts, not
 times: the same on a CPU as on a GPU, so a test on the CPU can fail when a change adds a sync.
 
-How a CPU stands in for a GPU: a tensor is a host tensor when it came from the batches the loader
-gives (`count_host_work` marks them), from a factory call without `device=` (`torch.empty(...)`,
-`torch.tensor(...)`), or from `.cpu()`; what an op makes from host tensors alone is one too; every
-other tensor is a device tensor, and `.to(a device)` of a host tensor is the loop's copy to the
-run's device (`.to(other)`, a copy to where `other` is). A sync is a read of a device tensor: `.cpu()`, `.tolist()`, `.numpy()`, `.item()` and
-`bool()`/`float()`/`int()` of it, and the ops whose output size depends on the data (`nonzero`,
-boolean-mask indexing, `unique`, torchvision's `nms`). What a CPU cannot tell apart is left to the
-GPU run's sync debug mode (`tools/gpu_check.sh`): `.to("cpu")` (on a CPU, a move to the run's
-device; the package reads with `.cpu()`), and waits on CUDA events, which are no tensor calls.
+How a CPU stands in for a GPU: a tensor is a host tensor when it came from the batches the loader gives
+(`count_host_work` marks them), from a factory call without `device=` (`torch.empty(...)`,
+`torch.tensor(...)`), or from `.cpu()`; what an op makes from host tensors alone is one too; every other
+tensor is a device tensor, and `.to(a device)` of a host tensor is the loop's copy to the run's device
+(`.to(other)`, a copy to where `other` is). A sync is a read of a device tensor: `.cpu()`, `.tolist()`,
+`.numpy()`, `.item()` and `bool()`/`float()`/`int()` of it, and the ops whose output size depends on the
+data (`nonzero`, boolean-mask indexing, `unique`, torchvision's `nms`). What a CPU cannot tell apart is
+left to the GPU run's sync debug mode (`tools/gpu_check.sh`): `.to("cpu")` (on a CPU, a move to the
+run's device; the package reads with `.cpu()`), and waits on CUDA events, which are no tensor calls.
 
 `count_host_work(step, batches)` runs `step()` once under both counters and returns a `HostWork`.
 """
