@@ -18,7 +18,10 @@ runs the same functions: `python -m maskrcnn_tut.lab.bench NAME [--out FILE] [--
 - `time_to_accuracy()`: the main job with and without the fast path, training seconds to a target AP.
 - `gpu_suite(max_minutes=8)`: the table on every GPU, AMP, cudnn.benchmark, channels_last and the fast
   path with R50-FPN at 800 px, bounded in time; writes `book/results/<hardware>-<date>.json`
-  (`python -m maskrcnn_tut.lab.bench --suite gpu --max-minutes 8`). `load_suite(path)` reads it.
+  (`python -m maskrcnn_tut.lab.bench --suite gpu --max-minutes 8`). `load_suite(path)` reads it;
+  `show_gpu_results(folder, parts)` shows the committed files as chapters 5, 6 and 8 do, each labelled with
+  what kind of figures it holds and worded by `gpu_files` (nothing ranks the settings of a file whose rows
+  do not leave their new-shape steps out: `gpu_files.gpu_file_is_steady`).
 - `measure(cfg, steps, warmup)`: the measurement underneath, in this process (callbacks get every
   `StepRecord`, e.g. `dashboard.LiveDashboard`); `bench_config(...)` the config it measures.
 
@@ -35,7 +38,8 @@ command) and say when a knob made no difference here, and why. Every public func
 Config fields as keyword overrides (`table(batch_size=8)`, `sweep_amp(min_size=96)`).
 
 Modules: `harness` (the measurement and its worker processes), `results` (BenchResult, its table,
-plots and files), `scaling` (the speed table, `table`), `sweeps`, `gpu` (the GPU suite), `cli` (the shell),
+plots and files), `scaling` (the speed table, `table`), `sweeps`, `gpu` (the GPU suite), `gpu_files` (its
+committed files, labelled and worded for the chapters), `cli` (the shell),
 `overhead`, `pipeline` (the loop with its loader), `accuracy` (time to accuracy), `profile` (what a step's host time goes to),
 `cache` (`cached(fn, **args)`: each figure measured once per hardware and code, with its spread),
 `projection` (the article's table taken apart, scaling on paper, `scaling_curve`, days for COCO),
@@ -45,7 +49,7 @@ in files, the cache and the shell; `shown(text)` reads it back in the book's lan
 device's speed (chapter 1).
 """
 from ..wording import above, interval, versus
-from . import projection
+from . import gpu_files, projection
 from .accuracy import time_to_accuracy
 from .cache import (
     cached,
@@ -56,6 +60,7 @@ from .cache import (
 )
 from .cli import build_parser, main
 from .gpu import gpu_suite
+from .gpu_files import show_gpu_results
 from .harness import (
     BENCH_SHAPES,
     Measurement,
@@ -74,7 +79,7 @@ from .harness import (
 from .overhead import overhead
 from .pipeline import pipeline, worker_cost, workers_alone
 from .projection import scaling_curve
-from .results import BenchResult, load_suite, markdown_table, python_call, results_path, show_gpu_results
+from .results import BenchResult, load_suite, markdown_table, python_call, results_path
 from .scaling import CPU_TABLE_BATCH, TABLE_COLUMNS, single_device_speed, table
 from .sweeps import (
     NO_DIFFERENCE,
@@ -97,6 +102,7 @@ __all__ = [
     "overhead", "pipeline", "worker_cost", "workers_alone",
     "pin_cores", "python_call", "results_path", "show_gpu_results", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
-    "above", "cached", "describe_cache", "interval", "machine_busy", "projection", "scaling_curve", "spread_text", "timing_row", "versus",
+    "above", "cached", "describe_cache", "gpu_files", "interval", "machine_busy", "projection", "scaling_curve",
+    "spread_text", "timing_row", "versus",
     "time_to_accuracy", "single_device_speed", "repeated_losses", "step_rows", "training_losses",
 ]

@@ -1,5 +1,5 @@
 """What a benchmark measured: `BenchResult` (rows, notes, provenance), its markdown table and plots,
-and the files of the GPU suite (`results_path`, `load_suite`)."""
+and the files of the GPU suite (`results_path`, `load_suite`; `gpu_files` words and shows them)."""
 from __future__ import annotations
 
 import dataclasses
@@ -191,25 +191,3 @@ def load_suite(path: Path | str) -> tuple[dict, dict[str, BenchResult], dict[str
     results = data["results"].items()
     return (data["provenance"], {name: BenchResult.from_dict(r) for name, r in results if "error" not in r},
             {name: r["error"] for name, r in results if "error" in r})
-
-
-def show_gpu_results(folder: Path | str) -> None:
-    """Every GPU suite file in `folder` (`bench.gpu_suite`): its machine, date and commands, each part's table
-    with the spread of its steps and its notes, then the parts that failed or did not fit the time."""
-    from IPython.display import Markdown, display
-
-    paths = sorted(Path(folder).glob("*.json"))
-    if not paths:
-        print(say("bench.gpu_results_none"))
-    for path in paths:
-        provenance, parts, failed = load_suite(path)
-        commands = [*provenance.get("earlier_commands", []), f"{provenance['date']}: {provenance['command']}"]
-        display(Markdown(say("bench.gpu_results_file", name=path.name, hardware=provenance["hardware"],
-                             commands="; ".join(f"`{command}`" for command in commands))))
-        for part in parts.values():
-            add_spread(part)
-            display(part)
-        for name, error in failed.items():
-            print(say("bench.gpu_results_failed", part=name, error=error))
-        if provenance.get("skipped_for_time"):
-            print(say("bench.gpu_results_skipped", parts=", ".join(provenance["skipped_for_time"])))

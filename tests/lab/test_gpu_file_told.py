@@ -1,0 +1,140 @@
+"""What chapters 5, 6 and 8 say about the committed GPU file (book/results/1x-nvidia-h200-2026-12-04.json), in
+both editions: what its rows measured (short windows after the warm-up, dominated by first-shape steps, with their
+spread), where they come from, and no ranking of precisions or cudnn settings; `gpu_files.gpu_file_is_steady`
+gates every verdict, and `gpu_files.steady_sentences` is where a steady file's verdicts will be worded."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from maskrcnn_tut.lab import bench, book, wording
+from maskrcnn_tut.lab.bench import BenchResult, gpu_files
+
+H200 = book.RESULTS / "1x-nvidia-h200-2026-12-04.json"
+LABEL = {"en": "dominated by first-shape steps", "ja": "新しい形状のステップが大半を占める"}
+#: What names a precision or a cudnn setting, and the words that would rank one.
+SETTING = re.compile(r"fp16|bf16|fp32|float16|bfloat16|benchmark|autocast|AMP|精度")
+VERDICT = {"en": re.compile(r"\b(faster|slower|fastest|slowest|quicker|best|worst|better|worse|wins?)\b", re.I),
+           "ja": re.compile(r"速い|遅い|速く|遅く|最速|最良|最も|勝")}
+#: Which parts each chapter shows (chapter 8: all of them).
+CHAPTER_PARTS = {"05": ["amp"], "06": ["cudnn"], "08": None}
+
+
+@pytest.fixture(autouse=True)
+def english_afterwards():
+    yield
+    wording.set_language("en")
+
+
+def shown_text(monkeypatch, capsys, folder, parts) -> str:
+    """Everything `bench.show_gpu_results(folder, parts)` displays or prints, as chapters 5, 6 and 8 call it."""
+    items = []
+    monkeypatch.setattr("IPython.display.display", items.append)
+    bench.show_gpu_results(folder, parts=parts)
+    return "\n".join([item.to_markdown() if isinstance(item, BenchResult) else item.data for item in items]
+                     + [capsys.readouterr().out])
+
+
+def sentences(text: str) -> list[str]:
+    return [part for part in re.split(r"(?<=[.;:])\s+|。|：|\n", text) if part.strip()]
+
+
+def rankings(text: str, lang: str) -> list[str]:
+    """The sentences that name a precision or a cudnn setting together with a verdict word."""
+    return [sentence for sentence in sentences(text) if SETTING.search(sentence) and VERDICT[lang].search(sentence)]
+
+
+@pytest.fixture
+def h200_only(tmp_path):
+    """A results folder holding the committed H200 file alone (later files must not change what it says)."""
+    (tmp_path / H200.name).write_text(H200.read_text())
+    return tmp_path
+
+
+# --------------------------------------------------------------------------- the committed file
+
+
+@pytest.mark.parametrize("lang", ["en", "ja"])
+@pytest.mark.parametrize("chapter", sorted(CHAPTER_PARTS))
+def test_the_chapters_label_the_h200_file_and_rank_nothing_from_it(chapter, lang, h200_only, monkeypatch, capsys):
+    wording.set_language(lang)
+    text = shown_text(monkeypatch, capsys, h200_only, CHAPTER_PARTS[chapter])
+    assert LABEL[lang] in text
+    assert rankings(text, lang) == []
+    # where the figures come from: the machine, its torch (not the book's pinned one) and the date
+    assert "1x NVIDIA H200" in text and "torch 2.11.0+cu130" in text and "2026-12-04" in text
+    if chapter == "05":
+        wording.set_language(lang)
+        said = gpu_files.brief(h200_only, "amp")
+        assert LABEL[lang] in said and rankings(said, lang) == [] and "2026-12-04" in said
+
+
+@pytest.mark.parametrize("lang", ["en", "ja"])
+def test_the_amp_rows_say_their_steps_warm_up_spread_and_first_shape_steps(lang, h200_only, monkeypatch, capsys):
+    wording.set_language(lang)
+    text = shown_text(monkeypatch, capsys, h200_only, ["amp"])
+    rows = json.loads(H200.read_text())["results"]["amp"]["rows"]
+    for row in rows:  # each row's step count and spread, read from the file
+        assert f"{row['steps']} " in text and f"{row['img/s lo']:.3g}-{row['img/s hi']:.3g}" in text
+    assert ("after 5 warm-up steps" if lang == "en" else "ウォームアップ 5 ステップの後") in text
+    assert ("cuDNN builds its convolution plans once for every new shape" if lang == "en"
+            else "cuDNN は新しい形状ごとに 1 回、畳み込みのプランを作って") in text
+    assert "best of those" not in text and "最良" not in text  # the stored note that ranked bf16 is left out
+
+
+def test_the_file_says_what_it_cannot_show_and_how_its_cudnn_part_ended(h200_only, monkeypatch, capsys):
+    text = shown_text(monkeypatch, capsys, h200_only, None)
+    assert "cannot show: a steady-state speed, or a verdict between any two of its rows" in text
+    assert "cudnn: did not finish: the launcher stopped it at its time limit after 133.641 s" in text
+    assert "no row about cudnn.benchmark on or off" in text
+    assert "hung" not in text and "/work/" not in text  # no "hung", no path of the machine that measured
+    # the speed table's stored note counted the planned 20 steps; its row measured 10
+    assert "median of 10 measured steps after 5 warm-up steps" in text and "median of 20" not in text
+
+
+def test_the_slow_steps_and_their_share_come_from_the_file():
+    _, parts, _ = bench.load_suite(H200)
+    fp32, fp16, bf16 = parts["amp"].rows
+    assert gpu_files.slow_steps(fp32) == (6, pytest.approx(0.60, abs=0.01))
+    assert gpu_files.slow_steps(fp16) == (2, pytest.approx(0.84, abs=0.01))
+    assert gpu_files.slow_steps(bf16) == (2, pytest.approx(0.80, abs=0.01))
+    assert gpu_files.warmup_steps(parts["amp"]) == 5 and gpu_files.dominated(parts["amp"])
+
+
+# --------------------------------------------------------------------------- the gate and the hook
+
+
+def steady_row(name: str, img_s: float) -> dict:
+    return {"setting": name, "img/s": img_s, "img/s lo": img_s * 0.98, "img/s hi": img_s * 1.02, "steps": 40,
+            "step s": [2 / img_s] * 40, "new-shape steps": 0, "img/s steady": img_s}
+
+
+def test_only_rows_that_leave_their_new_shape_steps_out_are_steady():
+    h200 = gpu_files.read(book.RESULTS)
+    assert h200 and not any(gpu_files.gpu_file_is_steady(found) for found in h200 if found.name == H200.name)
+    steady = BenchResult("amp", "AMP", [steady_row("fp32 (no autocast)", 30.0), steady_row("bf16 autocast", 32.0)],
+                         ["setting", "img/s"])
+    assert gpu_files.gpu_file_is_steady(steady)
+    assert gpu_files.label(steady) == "steady state: new-shape steps left out"
+    half = BenchResult("amp", "AMP", [steady_row("fp32 (no autocast)", 30.0),
+                                      {k: v for k, v in steady_row("bf16 autocast", 32.0).items() if k != "img/s steady"}],
+                       ["setting", "img/s"])
+    assert not gpu_files.gpu_file_is_steady(half)
+    assert not gpu_files.gpu_file_is_steady(BenchResult("amp", "AMP", [], ["setting"]))
+
+
+def test_a_steady_file_is_worded_by_the_steady_hook_alone(tmp_path, monkeypatch, capsys):
+    assert gpu_files.steady_sentences(BenchResult("amp", "AMP", [steady_row("fp32", 30.0)], ["setting"])) == []
+    rows = [steady_row("fp32 (no autocast)", 30.0), steady_row("bf16 autocast", 32.0)]
+    (tmp_path / "1x-test-gpu-2027-01-01.json").write_text(json.dumps({
+        "provenance": {"hardware": "1x Test GPU", "date": "2027-01-01T00:00", "command": "suite", "torch": "2.14.1"},
+        "results": {"amp": {"name": "amp", "title": "AMP", "rows": rows, "columns": ["setting", "img/s"],
+                            "notes": ["amp_dtype: up to 7% difference in img/s with the other knobs fixed; best of "
+                                      "those: bf16 autocast."], "provenance": {"command": "sweep_amp(warmup=5)"}}}}))
+    monkeypatch.setattr(gpu_files, "steady_sentences", lambda result: ["THE STEADY VERDICTS"])
+    text = shown_text(monkeypatch, capsys, tmp_path, ["amp"])
+    assert "steady state: new-shape steps left out" in text and "THE STEADY VERDICTS" in text
+    assert "best of those" not in text and "first-shape steps" not in text
+    assert gpu_files.brief(tmp_path, "amp") == "THE STEADY VERDICTS"
