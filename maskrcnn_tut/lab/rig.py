@@ -106,11 +106,13 @@ class Rig:
         """The model inside any DDP/DataParallel wrapper."""
         return du.unwrap(self.model)
 
-    def step(self, stop_requested: bool = False) -> StepRecord:
+    def step(self, stop_requested: bool = False, read: bool = True) -> StepRecord | None:
         """One `engine.train_step` on the next batches (the schedule is the caller's to step, as
-        train.py steps it after each step)."""
-        return train_step(self.model, self.optimizer, self.scaler, self.batches, self.cfg, self.state,
-                          stop_requested=stop_requested)[-1]
+        train.py steps it after each step): its record, or None for a step not read (`read=False`,
+        as train.py runs GPU steps between log lines)."""
+        records = train_step(self.model, self.optimizer, self.scaler, self.batches, self.cfg, self.state,
+                             stop_requested=stop_requested, read=read)
+        return records[-1] if records else None
 
 
 def build_rig(settings: Config, *, device: torch.device | str | None = None, batches: Iterable | None = None,

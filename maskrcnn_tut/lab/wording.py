@@ -35,7 +35,9 @@ _current = {"lang": "en"}
 _this_thread = threading.local()  # a `speaking` block's language, for its thread only
 
 FASTER, SLOWER, WITHIN_NOISE, NO_SPREAD = "faster", "slower", "within noise", "no spread"
-VERDICTS = (FASTER, SLOWER, WITHIN_NOISE, NO_SPREAD)
+#: The steady-state bench's fourth answer (`bench.steady.verdict`): the interval or the rounds disagree.
+INCONCLUSIVE = "inconclusive"
+VERDICTS = (FASTER, SLOWER, WITHIN_NOISE, NO_SPREAD, INCONCLUSIVE)
 _ORDER = {1: FASTER, -1: SLOWER, 0: WITHIN_NOISE, None: NO_SPREAD}
 
 #: The words of each verdict, by language: the verdict, plainly; "noise" is the one clause a
@@ -46,8 +48,10 @@ MESSAGES = {
         SLOWER: "slower{than}",
         WITHIN_NOISE: "within noise{of}",
         NO_SPREAD: "no spread recorded",
+        INCONCLUSIVE: "inconclusive{versus}",
         "than": " than {name}",
         "of": " of {name}",
+        "versus": " against {name}",
         "noise": "the ranges overlap",
         "times": "{ratio:.2f} times",
     },
@@ -56,8 +60,10 @@ MESSAGES = {
         SLOWER: "{than}遅い",
         WITHIN_NOISE: "{of}ばらつきの範囲内",
         NO_SPREAD: "ばらつきの記録なし",
+        INCONCLUSIVE: "{versus}結論が出ない",
         "than": "{name}より",
         "of": "{name}と",
+        "versus": "{name}との比較では",
         "noise": "範囲が重なっています",
         "times": "{ratio:.2f}倍",
     },
@@ -172,7 +178,7 @@ def words(verdict: str, than: str = "", lang: str | None = None, **own: str) -> 
     if verdict.replace(" ", "_") in own:
         return pick(verdict, **own)
     table = MESSAGES[lang or language()]
-    named = {part: table[part].format(name=than) if than else "" for part in ("than", "of")}
+    named = {part: table[part].format(name=than) if than else "" for part in ("than", "of", "versus")}
     return table[verdict].format(**named)
 
 
