@@ -218,7 +218,7 @@ def summarize(lines: list[dict], images_per_step: float) -> dict:
     new = [line["wall s"] for line in lines if line["new shape"]]
     repeated = [line["wall s"] for line in lines if not line["new shape"]]
     row = {"steps": len(measured), "steady steps": len(steady), "new-shape steps": len(measured) - len(steady),
-           "warm-up steps": len(lines) - len(measured), "shapes": len({tuple(l["shape"] or ()) for l in lines}),
+           "warm-up steps": len(lines) - len(measured), "shapes": len({tuple(line["shape"] or ()) for line in lines}),
            "img/s steady": None, "img/s lo": None, "img/s hi": None, "img/s all steps": None,
            "first-shape s": None, "first-shape steps": len(new),
            "data ms": None, "step ms": None}
