@@ -123,6 +123,9 @@ def test_only_rows_that_leave_their_new_shape_steps_out_are_steady():
                        ["setting", "img/s"])
     assert not gpu_files.gpu_file_is_steady(half)
     assert not gpu_files.gpu_file_is_steady(BenchResult("amp", "AMP", [], ["setting"]))
+    # bench.steady's rows: a median over the steady steps only, no "img/s" over all of them
+    only_steady = [{k: v for k, v in steady_row(name, 30.0).items() if k != "img/s"} for name in ("fp32", "bf16")]
+    assert gpu_files.gpu_file_is_steady(BenchResult("amp", "AMP", only_steady, ["setting", "img/s steady"]))
 
 
 def test_a_steady_file_is_worded_by_the_steady_hook_alone(tmp_path, monkeypatch, capsys):

@@ -58,7 +58,9 @@ def read(folder: Path | str) -> list[GpuFile]:
 
 
 def _measured(result: BenchResult) -> list[dict]:
-    return [row for row in result.rows if row.get("img/s") is not None]
+    """The rows that measured something: a median over all steps ("img/s") or over the steady ones
+    (`bench.steady`'s "img/s steady")."""
+    return [row for row in result.rows if row.get("img/s") is not None or row.get("img/s steady") is not None]
 
 
 def _parts(result: BenchResult | GpuFile) -> list[BenchResult]:
