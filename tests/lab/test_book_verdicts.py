@@ -151,10 +151,9 @@ def test_a_short_run_is_judged_by_what_it_reached(ap50, losses, learned, fell):
 
 def test_gpu_r50_is_not_called_the_reference_recipe_where_it_differs():
     rows = {row["setting"]: row for row in article.reference_recipe()}
-    for same in ("images per GPU", "lr for 16 images", "momentum", "warm-up", "lr decay"):
-        assert rows[same]["same"], rows[same]
-    for differs in ("backbone at the start", "normalization", "epochs", "weight decay", "aspect-ratio grouping",
-                    "AMP"):
+    for same in ("images per GPU", "lr for 16 images", "momentum", "warm-up", "lr decay", "aspect-ratio grouping"):
+        assert rows[same]["same"], rows[same]  # images per GPU: on this GPU-less machine; a card of 40 GB takes 8
+    for differs in ("backbone at the start", "normalization", "epochs", "weight decay", "AMP"):
         assert not rows[differs]["same"], rows[differs]
     assert rows["lr for 16 images"]["gpu-r50"] == pytest.approx(0.02)  # linear scaling for SGD
     chapters = {path.name: " ".join("".join(cell["source"]) for cell in json.loads(path.read_text())["cells"])

@@ -22,7 +22,7 @@ from maskrcnn_tut.lab.bench import gpu, harness
 from maskrcnn_tut.lab.bench.cache import timing_row
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
-BENCH_MINUTES = float(re.search(r"^BENCH_MINUTES=([\d.]+)$", (TOOLS / "gpu_check.sh").read_text(), re.M).group(1))
+BENCH_MINUTES = 3.5  # the suite's minutes in the first H200 check (2026-12-04)
 
 
 def load_runner():

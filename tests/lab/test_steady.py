@@ -18,14 +18,14 @@ def lines(walls, new=(), phase="measure", blocks=1, label="a"):
 
 
 def test_first_shape_steps_are_left_out_of_the_speed_and_reported_apart():
-    warm = lines([0.8, 0.8, 0.1, 0.1], new={0, 1}, phase="warm-up")
+    warm = lines([5.0, 0.8, 0.8, 0.1, 0.1], new={0, 1, 2}, phase="warm-up")
     measured = lines([0.1] * 8 + [0.7, 0.7], new={8, 9})
     row = steady.summarize(warm + measured, images_per_step=2)
     assert row["img/s steady"] == pytest.approx(20.0)  # 2 images / 0.1 s, the two 0.7 s steps left out
     assert row["img/s all steps"] == pytest.approx(2 * 10 / 2.2)
-    assert (row["steps"], row["steady steps"], row["new-shape steps"], row["warm-up steps"]) == (10, 8, 2, 4)
+    assert (row["steps"], row["steady steps"], row["new-shape steps"], row["warm-up steps"]) == (10, 8, 2, 5)
     assert row["first-shape s"] == pytest.approx(0.75 - 0.1)  # median new-shape step (0.8, 0.8, 0.7, 0.7) over repeated
-    assert row["first-shape steps"] == 4
+    assert row["first-shape steps"] == 4 and row["first step s"] == 5.0  # the very first step apart
 
 
 def test_a_run_of_new_shapes_only_has_no_steady_speed():
@@ -47,6 +47,13 @@ def test_verdicts_need_the_interval_outside_the_band_and_every_round_on_its_side
     assert steady.verdict(base, same)["verdict"] == WITHIN_NOISE
     found = steady.verdict(base, faster)
     assert found["lo"] <= found["ratio"] <= found["hi"] and len(found["rounds"]) == 3
+
+
+def test_speeds_compare_per_image_when_the_batch_differs():
+    """Twice the images in 1.5 times the step is faster; the step time alone would call it slower."""
+    base, bigger = lines([0.10] * 30, blocks=3), lines([0.15] * 30, blocks=3, label="b")
+    found = steady.verdict(base, bigger, images=(2, 4))
+    assert found["ratio"] == pytest.approx(4 / 0.15 / (2 / 0.10)) and found["verdict"] == FASTER
 
 
 def test_rounds_that_disagree_leave_it_inconclusive():

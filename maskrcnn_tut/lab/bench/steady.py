@@ -12,7 +12,8 @@ set of 16 shapes was mostly such steps. So here:
   they are), and the events are read once a block ends.
 - Warm-up lasts until no new shape has appeared for `quiet` steps (at most `max_warmup`).
 - `summarize`: img/s over the steps without a new shape ("img/s steady"), beside img/s over all
-  steps and what a new shape cost ("first-shape s", over warm-up and measured steps alike).
+  steps, what a new shape cost ("first-shape s", over warm-up and measured steps alike) and the
+  setting's very first step, which also pays for what is done once per process or model.
 - `interleave`: settings measured in blocks, in turn, in one process, each with its own model and
   loader from the same seed (so the same batches), for `rounds` rounds.
 - `verdict`: "faster" or "slower" only when the bootstrap 95 % interval of the ratio of median
@@ -215,12 +216,14 @@ def summarize(lines: list[dict], images_per_step: float) -> dict:
     img/s over all measured steps and the first-shape cost (warm-up included), with counts and spread."""
     measured = [line for line in lines if line["phase"] == "measure"]
     steady = [line["wall s"] for line in measured if not line["new shape"]]
-    new = [line["wall s"] for line in lines if line["new shape"]]
-    repeated = [line["wall s"] for line in lines if not line["new shape"]]
+    later = lines[1:]  # the setting's first step also pays for everything done once (allocator, kernels' loading)
+    new = [line["wall s"] for line in later if line["new shape"]]
+    repeated = [line["wall s"] for line in later if not line["new shape"]]
     row = {"steps": len(measured), "steady steps": len(steady), "new-shape steps": len(measured) - len(steady),
            "warm-up steps": len(lines) - len(measured), "shapes": len({tuple(line["shape"] or ()) for line in lines}),
            "img/s steady": None, "img/s lo": None, "img/s hi": None, "img/s all steps": None,
-           "first-shape s": None, "first-shape steps": len(new),
+           "first step s": lines[0]["wall s"] if lines else None, "first-shape s": None,
+           "first-shape steps": len(new),
            "data ms": None, "step ms": None}
     if measured:
         row["img/s all steps"] = images_per_step * len(measured) / sum(line["wall s"] for line in measured)
@@ -236,14 +239,15 @@ def summarize(lines: list[dict], images_per_step: float) -> dict:
     return row
 
 
-def verdict(base: list[dict], other: list[dict], band: float = NO_BAND, resamples: int = RESAMPLES) -> dict:
-    """`other` against `base` (each a setting's lines) over their measured steps without a new shape:
-    the speed ratio (median step of base / median step of other; > 1 is faster), its bootstrap 95 %
-    interval, each round's ratio, and the verdict (module doc)."""
-    def steady(lines, block=None):
-        return [line["wall s"] for line in lines if line["phase"] == "measure" and not line["new shape"]
-                and (block is None or line["block"] == block)]
-    a, b = steady(base), steady(other)
+def verdict(base: list[dict], other: list[dict], images: tuple[float, float] = (1, 1), band: float = NO_BAND,
+            resamples: int = RESAMPLES) -> dict:
+    """`other` against `base` (each a setting's lines, with `images` per step each) over their measured
+    steps without a new shape: the speed ratio (img/s of other over base at their median steps; > 1 is
+    faster), its bootstrap 95 % interval, each round's ratio, and the verdict (module doc)."""
+    def steady(lines, block=None, per_step=1.0):  # seconds per image
+        return [line["wall s"] / per_step for line in lines if line["phase"] == "measure"
+                and not line["new shape"] and (block is None or line["block"] == block)]
+    a, b = steady(base, per_step=images[0]), steady(other, per_step=images[1])
     if not a or not b:
         return {"ratio": None, "lo": None, "hi": None, "rounds": [], "verdict": INCONCLUSIVE}
     ratio = statistics.median(a) / statistics.median(b)
@@ -252,8 +256,8 @@ def verdict(base: list[dict], other: list[dict], band: float = NO_BAND, resample
                     for _ in range(resamples))
     lo, hi = ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
     blocks = sorted({line["block"] for line in base if line["phase"] == "measure"})
-    rounds = [statistics.median(steady(base, k)) / statistics.median(steady(other, k)) for k in blocks
-              if steady(base, k) and steady(other, k)]
+    rounds = [statistics.median(steady(base, k, images[0])) / statistics.median(steady(other, k, images[1]))
+              for k in blocks if steady(base, k) and steady(other, k)]
     if lo > 1 + band and rounds and all(r > 1 for r in rounds):
         found = FASTER
     elif hi < 1 - band and rounds and all(r < 1 for r in rounds):
@@ -267,13 +271,13 @@ def verdict(base: list[dict], other: list[dict], band: float = NO_BAND, resample
 
 def compare(settings: list[Setting], base: str) -> list[dict]:
     """Every setting's `summarize` row, with its `verdict` against the setting labelled `base`."""
-    lines = {s.label: s.lines for s in settings}
+    first = next(s for s in settings if s.label == base)
     rows = []
     for setting in settings:
         row = {"setting": setting.label, "images/step": setting.images_per_step,
                **summarize(setting.lines, setting.images_per_step)}
         if setting.label != base:
-            found = verdict(lines[base], setting.lines)
+            found = verdict(first.lines, setting.lines, (first.images_per_step, setting.images_per_step))
             row.update({"vs": base, "ratio": found["ratio"], "ratio lo": found["lo"], "ratio hi": found["hi"],
                         "round ratios": found["rounds"], "verdict": found["verdict"]})
         rows.append(row)
