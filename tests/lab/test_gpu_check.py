@@ -8,7 +8,6 @@ import datetime
 import importlib.util
 import json
 import os
-import re
 import time
 from pathlib import Path
 
