@@ -129,7 +129,6 @@ def test_only_rows_that_leave_their_new_shape_steps_out_are_steady():
 
 
 def test_a_steady_file_is_worded_by_the_steady_hook_alone(tmp_path, monkeypatch, capsys):
-    assert gpu_files.steady_sentences(BenchResult("amp", "AMP", [steady_row("fp32", 30.0)], ["setting"])) == []
     rows = [steady_row("fp32 (no autocast)", 30.0), steady_row("bf16 autocast", 32.0)]
     (tmp_path / "1x-test-gpu-2027-01-01.json").write_text(json.dumps({
         "provenance": {"hardware": "1x Test GPU", "date": "2027-01-01T00:00", "command": "suite", "torch": "2.14.1"},
@@ -141,3 +140,52 @@ def test_a_steady_file_is_worded_by_the_steady_hook_alone(tmp_path, monkeypatch,
     assert "steady state: new-shape steps left out" in text and "THE STEADY VERDICTS" in text
     assert "best of those" not in text and "first-shape steps" not in text
     assert gpu_files.brief(tmp_path, "amp") == "THE STEADY VERDICTS"
+
+
+# --------------------------------------------------------------------------- a steady file, as the device run writes it
+
+
+def made_up_device_run(out) -> dict:
+    """summary.json as `gpu_stages` writes it, from made-up step lines: bf16 20 % faster than fp32 in every
+    round, fp16 the same as fp32, each after warm-up steps that met new shapes."""
+    import random
+
+    from maskrcnn_tut.lab.bench import gpu_stages, steady
+    draw = random.Random(0)
+
+    def setting(label, step_s):
+        warm = [{"setting": label, "phase": "warm-up", "block": 0, "wall s": 0.9, "new shape": True, "data s": 0.0,
+                 "shape": [800, 1088 + 32 * i], "rois": 9} for i in range(3)]
+        measured = [{"setting": label, "phase": "measure", "block": 1 + i // 20, "data s": 0.001, "shape": [800, 1088],
+                     "rois": 9, "wall s": step_s * (1 + draw.uniform(-0.02, 0.02)), "new shape": False} for i in range(60)]
+        made = steady.Setting.__new__(steady.Setting)
+        made.label, made.lines, made.rig = label, warm + measured, type("R", (), {"cfg": type("C", (), {"global_batch": 8})})
+        return made
+
+    settings = [setting("fp32", 0.100), setting("bf16", 0.083), setting("fp16", 0.100)]
+    out.mkdir()
+    gpu_stages.write_summary(out, "precision", {"rows": steady.compare(settings, "fp32"), "rounds": 3})
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("lang", ["en", "ja"])
+def test_a_steady_file_states_the_verdicts_the_rule_gives(lang, tmp_path, monkeypatch, capsys):
+    """The chapters on a steady file: each row's steady speed and what was left out, and each verdict as
+    `bench.steady` gave it (bf16 faster than fp32 by its interval and rounds; fp16 within noise of it)."""
+    from maskrcnn_tut.lab.bench import gpu_stages
+    summary = made_up_device_run(tmp_path / "out")
+    rows = {row["setting"]: row for row in summary["stages"]["precision"]["rows"]}
+    assert (rows["bf16"]["verdict"], rows["fp16"]["verdict"]) == ("faster", "within noise")
+    results = tmp_path / "results"
+    results.mkdir()
+    path = gpu_stages.results_file(tmp_path / "out", results)
+    assert path.name.endswith("-steady.json")
+    wording.set_language(lang)
+    text = shown_text(monkeypatch, capsys, results, ["amp"])
+    assert gpu_files.label(gpu_files.read(results)[0]) in text
+    expected = {"en": ["faster than fp32", "within noise of fp32", "new-shape steps left out", "| faster |"],
+                "ja": ["fp32より速い", "fp32とばらつきの範囲内", "新しい形状のステップ 0 個を除外", "| 速い |"]}[lang]
+    for words in expected:
+        assert words in text, (words, text)
+    assert f"{rows['bf16']['ratio lo']:.2f}" in text and f"{rows['bf16']['ratio hi']:.2f}" in text
+    assert not rankings(text.replace(gpu_files.say("gpu_files.steady_rule", band=5), ""), lang)[2:]  # two verdicts

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..wording import catalog, say
+from ..wording import catalog, say, times
 from .cache import spread_text
 from .results import BenchResult, add_spread, load_suite, row_label
 from .shown import _regex, english, shown
@@ -75,10 +75,30 @@ def gpu_file_is_steady(result: BenchResult | GpuFile) -> bool:
     return bool(rows) and all(key in row for row in rows for key in STEADY_KEYS)
 
 
+def _seconds(value: float | None) -> str:
+    return say("gpu_files.seconds", seconds=value) if value is not None else say("gpu_files.unknown")
+
+
 def steady_sentences(result: BenchResult | GpuFile) -> list[str]:
-    """The verdicts of a steady file or part, worded: the hook for `bench.steady`'s verdict codes
-    ("faster", "slower", "within noise", "inconclusive"); none yet, so a steady part shows its table alone."""
-    return []
+    """A steady file's (or part's) rows and verdicts, worded: each row's steady speed with its spread,
+    the new-shape steps left out and their cost; each verdict `bench.steady` gave against its base, with
+    the interval and rounds that decided it; and the rule, once."""
+    from ..wording import words
+    from .steady import NO_BAND
+    sentences = []
+    for part in _parts(result):
+        for row in _measured(part):
+            rate = spread_text({**row, "img/s": row["img/s steady"]}, "img/s", ".3g", " img/s") \
+                if row.get("img/s steady") is not None else say("gpu_files.unknown")
+            sentences.append("- " + say("gpu_files.steady_row", setting=shown(row_label(row)), rate=rate,
+                                        steady=row["steady steps"], new=row["new-shape steps"],
+                                        first=_seconds(row.get("first-shape s")), start=_seconds(row.get("first step s"))))
+            if row.get("verdict") and row.get("ratio") is not None:
+                sentences.append("- " + say("gpu_files.steady_verdict", setting=shown(row_label(row)),
+                                            base=shown(row["vs"]), ratio=times(row["ratio"]), lo=row["ratio lo"],
+                                            hi=row["ratio hi"], rounds=", ".join(f"{r:.2f}" for r in row["round ratios"]),
+                                            words=words(row["verdict"], shown(row["vs"]))))
+    return sentences + ([say("gpu_files.steady_rule", band=100 * NO_BAND)] if sentences else [])
 
 
 def slow_steps(row: dict) -> tuple[int, float] | None:

@@ -22,7 +22,8 @@ stages run on the CPU at cpu-tiny's sizes (the rehearsal), writing the same file
 Files in DIR (at most 8 come back from the device): steps.jsonl (every step of every stage),
 summary.json (rewritten after each stage: provenance and each stage's rows), trace_fp32.json.gz,
 trace_bf16.json.gz, ref.log (the reference's output), nvml.csv (GPU utilization every 0.1 s), and
-the shell's check.log and stages.txt.
+the shell's check.log and stages.txt. `results` turns summary.json into the file of `book/results/`
+the chapters read (`results_file`).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from . import steady
 from .harness import bench_config
 from .host_work import count_host_work, optimizer_counters
 from .profile import CUDA_WAITS
+from .results import BenchResult, results_path
 
 STAGES = ("precision", "levers", "side_by_side", "cudnn_benchmark", "compiled")
 #: Sizes of a stage on a GPU and in the CPU rehearsal.
@@ -262,13 +264,40 @@ def compiled(out: Path, deadline: float) -> dict:
                                                                               "compile_backbone": True}})
 
 
+#: The results file's parts: (the stage they come from, the title of their table).
+PARTS = {"amp": ("precision", "Precisions in steady state"),
+         "levers": ("levers", "Levers against the preset's defaults, steady state"),
+         "side_by_side": ("side_by_side", "torchvision's reference beside the package, steady state"),
+         "cudnn": ("cudnn_benchmark", "cudnn.benchmark on fixed shapes, each in its own process"),
+         "compiled": ("compiled", "Compiled backbone and RPN head, in its own process")}
+COLUMNS = ["setting", "images/step", "img/s steady", "img/s all steps", "steady steps", "new-shape steps",
+           "first-shape s", "ratio", "verdict", "gpu util %"]
+
+
+def results_file(out: Path, results_dir: Path | str = "book/results") -> Path:
+    """The device run's summary.json as a results file the book reads (`bench.gpu_files`):
+    `<results_dir>/<hardware>-<date>-steady.json`, one part per stage that measured rows."""
+    summary = json.loads((out / "summary.json").read_text())
+    prov = summary["provenance"]
+    results = {part: BenchResult(part, title, summary["stages"][stage]["rows"], COLUMNS, [], prov).to_dict()
+               for part, (stage, title) in PARTS.items() if summary["stages"].get(stage, {}).get("rows")}
+    path = results_path(results_dir, prov)
+    path = path.with_name(path.stem + "-steady.json")
+    path.write_text(json.dumps({"provenance": prov, "results": results}, indent=1, default=str) + "\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="one stage of the GPU check's device run")
-    parser.add_argument("stage", choices=STAGES)
+    parser = argparse.ArgumentParser(description="one stage of the GPU check's device run, or `results` to write "
+                                                 "its summary as a file of book/results/")
+    parser.add_argument("stage", choices=(*STAGES, "results"))
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--seconds", type=float, required=True, help="this stage's time (it stops measuring sooner)")
+    parser.add_argument("--seconds", type=float, default=600.0, help="this stage's time (it stops measuring sooner)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.stage == "results":
+        print(results_file(args.out))
+        return
     started = time.monotonic()
     deadline = started + 0.8 * args.seconds  # the margin: the last block, writing the files
     du.init_distributed()
