@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
-from .hardware import cuda_card, default_amp_dtype
+from .hardware import cpu_has_bf16, cuda_card, default_amp_dtype
 from .presets import PRESETS, cuda_choices
 
 #: The global batch the presets' learning rates are tuned for; `--lr` is scaled from it to the run's
@@ -101,6 +101,8 @@ class Config:
     amp_dtype: str | None = setting(None, "autocast dtype of --amp: float16 (CUDA only, with a GradScaler) or "
                                           "bfloat16 (default: bfloat16, but float16 on GPUs before compute "
                                           "capability 8.0)", choices=("float16", "bfloat16"))
+    allow_emulated_bf16: bool = setting(False, "let --amp run bf16 on a CPU without bf16 instructions (AVX-512 BF16 "
+                                               "or AMX), where torch emulates it, over 10 times slower than fp32")
     # data loading
     workers: int | None = setting(None, "DataLoader worker processes per training process (default: 1 on CPUs, whose "
                                         "cores the training threads use; on GPUs its cores less one, <= 4)", bound=">=0")
@@ -322,6 +324,10 @@ def validate(cfg: Config, *, cuda_available: bool | None = None, local_world_siz
     if not cuda and cfg.amp_dtype == "float16":
         raise ConfigError("--amp-dtype float16 needs a CUDA GPU; on CPU use --amp-dtype bfloat16 "
                           "(the default for --amp on CPU)")
+    if cfg.amp and not cuda and cpu_has_bf16() is False and not cfg.allow_emulated_bf16:
+        raise ConfigError(f"--amp: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no bf16 instructions (AVX-512 "
+                          "BF16 or AMX), so bf16 autocast would be emulated, over 10 times slower than fp32 here; "
+                          "train without it (--no-amp), or pass --allow-emulated-bf16 to run it anyway")
     if cfg.amp_dtype is not None and not cfg.amp:
         raise ConfigError(f"--amp-dtype {cfg.amp_dtype} picks the dtype of --amp, which is off; add --amp "
                           "(or drop --amp-dtype for full fp32)")

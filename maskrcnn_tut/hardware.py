@@ -3,7 +3,7 @@
 - `usable_cores()`: the cores this process may really use: its affinity mask, capped by a cgroup
   CPU quota (v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, v2 `cpu.max`), which `nproc` and
   `sched_getaffinity` do not see (a Kubernetes pod limited to 4 CPUs on a 64-core node).
-- `ram_gb()`, `gpu_count()`, `cuda_card()`: what the machine has; `default_amp_dtype`, what its GPU computes in.
+- `ram_gb()`, `gpu_count()`, `cuda_card()`, `cpu_has_bf16()`: what the machine has; `default_amp_dtype`, what its GPU computes in.
 - `nvidia_gpus()`, `gpus_torch_cannot_use()`: the NVIDIA GPUs the machine has, whether torch can
   use them or not (a torch built for a newer CUDA than the driver's sees none).
 - `peak_memory_mb`: the CUDA allocator's peak on GPUs, the process's resident peak on CPUs.
@@ -92,6 +92,20 @@ def ram_gb() -> float | None:
 
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cpu_has_bf16() -> bool | None:
+    """Whether the CPU has bfloat16 instructions (AVX-512 BF16 or AMX), as torch detects them, else as
+    /proc/cpuinfo lists them; None when unknown. Without them bf16 autocast is emulated: on a 2-core AVX2
+    EPYC one R50-FPN step at 800 px took over 12 times its fp32 time."""
+    cpu = getattr(torch._C, "_cpu", None)
+    checks = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if any(checks):
+        return any(check() for check in checks if check)
+    try:
+        return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", Path("/proc/cpuinfo").read_text()))
+    except OSError:
+        return None
 
 
 def cuda_card() -> tuple[float, tuple[int, int]] | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import platform
-import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 
 from ..hardware import (
     cgroup_cpu_limit,
+    cpu_has_bf16,
     gpu_count,
     proc_status_kib,
     ram_gb,
@@ -156,12 +156,3 @@ def reset_peak_memory(device: torch.device) -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
-
-
-def cpu_has_bf16() -> bool | None:
-    """Whether the CPU has bfloat16 instructions (AVX512-BF16 or AMX); None when unknown."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))

@@ -123,3 +123,25 @@ def test_torchrun_ranks_all_reject_a_bad_setting_once_and_its_summary_names_it(s
     assert "error_file: <N/A>" not in out.stderr  # the summary reads the error file each rank wrote
     assert "ConfigError: --batch-size must be a positive integer, got 0" in out.stderr
     assert "maskrcnn_tut/" not in out.stderr.replace(str(TRAIN_SCRIPT), "")  # no traceback from our code
+
+
+@pytest.mark.parametrize("has_bf16", [False, True])
+def test_amp_on_a_cpu_without_bf16_instructions_stops_with_one_line_unless_allowed(monkeypatch, capsys, has_bf16):
+    """bf16 autocast emulated on an AVX2-only CPU took over 12 times fp32's step: --amp there is refused before
+    the first step, naming the CPU's capability and --no-amp; --allow-emulated-bf16 runs it anyway. A CPU with
+    bf16 instructions (AVX-512 BF16 or AMX) is not affected."""
+    from maskrcnn_tut import config, train
+    monkeypatch.setattr(config, "cpu_has_bf16", lambda: has_bf16)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    cfg = make_config("cpu-tiny", amp=True, accelerator="cpu")
+    if has_bf16:
+        validate(cfg, cuda_available=False)
+        return
+    with pytest.raises(ConfigError, match=r"--amp: this CPU \(AVX2\) has no bf16 instructions.*--no-amp.*"
+                                          r"--allow-emulated-bf16"):
+        validate(cfg, cuda_available=False)
+    validate(make_config("cpu-tiny", amp=True, accelerator="cpu", allow_emulated_bf16=True), cuda_available=False)
+    validate(make_config("cpu-tiny", accelerator="cpu"), cuda_available=False)  # fp32: nothing to refuse
+    assert train.main(["--amp", "--accelerator", "cpu", "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --amp: this CPU (AVX2)")

@@ -101,12 +101,14 @@ def _util(sampler: GPUSampler, spans: list[tuple[float, float]]) -> float | None
 
 def measured(settings: list[steady.Setting], base: str, out: Path, stage: str, deadline: float,
              sampler: GPUSampler | None = None) -> dict:
-    """Warm each setting up, interleave them for the plan's rounds (fewer when `deadline` comes
-    first), and compare them with `base`; every step goes to steps.jsonl."""
+    """Warm each setting up (in half the time left at most, shared), interleave them for the plan's rounds
+    (fewer when `deadline` comes first), and compare them with `base`; every step goes to steps.jsonl."""
     p = plan()
     sink = steady.jsonl_sink(out / "steps.jsonl", stage=stage)
-    for setting in settings:
-        setting.warm_up(p["quiet"], p["max_warmup"], sink)
+    warm_until = time.monotonic() + (deadline - time.monotonic()) / 2  # the other half measures
+    for i, setting in enumerate(settings):
+        share = (warm_until - time.monotonic()) / (len(settings) - i)
+        setting.warm_up(p["quiet"], p["max_warmup"], sink, time.monotonic() + share)
     spans: dict[str, list] = {s.label: [] for s in settings}
 
     def timed_sink(lines):
@@ -176,7 +178,8 @@ def sync_sites(setting: steady.Setting) -> dict:
 def precision(out: Path, deadline: float) -> dict:
     p = plan()
     cuda = torch.cuda.is_available()
-    choices = [("fp32", {"amp": False}), ("bf16", {"amp": True, "amp_dtype": "bfloat16"})]
+    # the rehearsal on a CPU without bf16 instructions runs bf16 anyway (emulated, slow): the same files
+    choices = [("fp32", {"amp": False}), ("bf16", {"amp": True, "amp_dtype": "bfloat16", "allow_emulated_bf16": not cuda})]
     choices += [("fp16", {"amp": True, "amp_dtype": "float16"})] if cuda else []
     settings = [steady.build_setting(label, bench_config(p["preset"], **knobs)) for label, knobs in choices]
     with sampling(out, "precision") as sampler:

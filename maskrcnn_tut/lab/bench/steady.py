@@ -165,10 +165,11 @@ class Setting:
             sink(lines)
         return lines
 
-    def warm_up(self, quiet: int = QUIET_STEPS, max_steps: int = 200, sink=None) -> int:
-        """Steps until `quiet` in a row met no new shape (at most `max_steps`); returns how many."""
+    def warm_up(self, quiet: int = QUIET_STEPS, max_steps: int = 200, sink=None, deadline: float | None = None) -> int:
+        """Steps until `quiet` in a row met no new shape (at most `max_steps`, and none begun after
+        `deadline`, a `time.monotonic()` time); returns how many."""
         calm = taken = 0
-        while calm < quiet and taken < max_steps:
+        while calm < quiet and taken < max_steps and (deadline is None or time.monotonic() < deadline):
             chunk = min(quiet - calm, max_steps - taken)
             for line in self.run(chunk, "warm-up", 0, sink):
                 calm = 0 if line["new shape"] else calm + 1
