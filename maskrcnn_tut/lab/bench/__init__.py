@@ -43,7 +43,8 @@ committed files, labelled and worded for the chapters), `cli` (the shell),
 `overhead`, `pipeline` (the loop with its loader), `accuracy` (time to accuracy), `profile` (what a step's host time goes to),
 `cache` (`cached(fn, **args)`: each figure measured once per hardware and code, with its spread),
 `projection` (the article's table taken apart, scaling on paper, `scaling_curve`, days for COCO),
-`coco_scale` (start-up time and memory at COCO scale), `shown` (what a result records is English,
+`coco_scale` (start-up time and memory at COCO scale), `peer` (the package beside torchvision's detection
+reference, same data and machine, both in steady state), `shown` (what a result records is English,
 in files, the cache and the shell; `shown(text)` reads it back in the book's language, as
 `BenchResult.to_markdown`, its plots and `book.show_table` do). `single_device_speed()` is one
 device's speed (chapter 1).
