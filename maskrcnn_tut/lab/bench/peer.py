@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
                                                   f"{REHEARSAL['steps']})")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="each run's limit")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a run in progress is killed on the way out
     settings = {**(REHEARSAL if args.rehearse else {}), "amp": args.amp, "timeout_s": args.timeout_s}
     if args.steps:
         settings["steps"] = args.steps
