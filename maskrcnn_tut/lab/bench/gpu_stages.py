@@ -182,12 +182,14 @@ def precision(out: Path, deadline: float) -> dict:
     choices = [("fp32", {"amp": False}), ("bf16", {"amp": True, "amp_dtype": "bfloat16", "allow_emulated_bf16": not cuda})]
     choices += [("fp16", {"amp": True, "amp_dtype": "float16"})] if cuda else []
     settings = [steady.build_setting(label, bench_config(p["preset"], **knobs)) for label, knobs in choices]
+    measure_until = time.monotonic() + 0.6 * (deadline - time.monotonic())  # the rest: the profile and the counts
     with sampling(out, "precision") as sampler:
-        result = measured(settings, "fp32", out, "precision", deadline, sampler)
+        result = measured(settings, "fp32", out, "precision", measure_until, sampler)
     result["fp32 is TF32"] = cuda
     result["not run"] = [] if cuda else [{"setting": "fp16", "why": "fp16 autocast needs CUDA"}]
     write_summary(out, "precision", result)
     result["breakdown"] = [breakdown(s, out, p["profile_steps"]) for s in settings[:2]]
+    write_summary(out, "precision", result)
     result["sync sites"] = sync_sites(settings[1])
     return result
 
