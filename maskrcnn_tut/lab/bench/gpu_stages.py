@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import statistics
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -243,9 +244,25 @@ def levers(out: Path, deadline: float) -> dict:
 
 
 def side_by_side(out: Path, deadline: float) -> dict:
-    from . import peer  # the reference is found, or this stage says why not
-    seconds = max(30.0, deadline - time.monotonic())
-    return peer.side_by_side_stage(out, seconds, plan()["peer_steps"])
+    """torchvision's reference, then the package, on the bench's data (`bench.peer`, each run with half the
+    time); the reference's output into ref.log, every step into steps.jsonl."""
+    from . import peer
+    p, cuda = plan(), torch.cuda.is_available()
+    try:
+        peer.find_peer()
+    except FileNotFoundError as err:
+        return {"not run": str(err)}
+    with tempfile.TemporaryDirectory() as runs:
+        result = peer.side_by_side(steps=p["peer_steps"], warmup_quiet=p["quiet"], sizes=None if cuda else (128, 192),
+                                   timeout_s=max(30.0, (deadline - time.monotonic()) / 2), log_dir=runs)
+        shutil.copyfile(Path(runs) / "reference.out", out / "ref.log")
+    sink = steady.jsonl_sink(out / "steps.jsonl", stage="side_by_side")
+    for row in result["rows"]:
+        sink(row.pop("lines"))
+        row["images/step"] = result["images/step"]
+    result["rows"][1].update({"vs": "reference", "ratio": result["ratio package/reference"], "ratio lo": result["ratio lo"],
+                              "ratio hi": result["ratio hi"], "round ratios": [], "verdict": result["verdict"]})
+    return result
 
 
 def _own(out: Path, deadline: float, settings: dict[str, dict]) -> dict:
