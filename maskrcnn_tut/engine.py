@@ -240,6 +240,7 @@ class _Unread:
     epoch: int
     lr: float
     iter_time: float
+    scale_fell: torch.Tensor | None = None  # fp16: GradScaler skipped the step
 
 
 def _to_host(shared: torch.Tensor) -> torch.Tensor:
@@ -273,15 +274,16 @@ def _nonfinite(step: int, bad_ranks: list[int], rank: int, terms: dict[str, floa
                               "--clip-grad-norm, check the data, or allow skips with --skip-nonfinite N")
 
 
-def _optimizer_step(model, optimizer, scaler, cfg: Run, state: TrainState) -> None:
+def _optimizer_step(model, optimizer, scaler, cfg: Run) -> torch.Tensor | None:
+    """Clip and step; for fp16, whether GradScaler skipped the step (an overflow: its scale fell), as a
+    device tensor the host reads with the step's other values (None without a GradScaler)."""
     if cfg.clip_grad_norm is not None:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-    scale_before = scaler.get_scale() if scaler.is_enabled() else None
+    before = scaler._scale.clone() if scaler.is_enabled() else None  # its scale on the device (get_scale() reads it)
     scaler.step(optimizer)
     scaler.update()
-    if scale_before is not None and scaler.get_scale() < scale_before:
-        state.scaler_skipped += 1  # fp16 overflow: GradScaler skipped this step by design
+    return None if before is None else scaler._scale < before
 
 
 def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, state: TrainState, *,
@@ -292,8 +294,9 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, state: Tra
     or with `read=False` none: the step's shared values stay on their way to the host, and the
     host does not wait for the device (no sync in this function); a later read step returns them
     all, oldest first. Such an unread step is stepped without the non-finite check, which its read
-    step makes for it (so a loop reads before each checkpoint). fp16's GradScaler and
-    --skip-nonfinite decide before the optimizer step, so with either every step is read.
+    step makes for it (so a loop reads before each checkpoint); fp16's GradScaler still skips an
+    overflowed step itself. --skip-nonfinite decides before the optimizer step, so with it every
+    step is read.
     Raises `NonFiniteLossError` on every rank when any rank's loss is not finite (unless
     `--skip-nonfinite` still allows skipping it). `stop_requested` (this rank was told to stop)
     travels in the shared all-reduce, so every rank learns it at the same read step.
@@ -302,7 +305,7 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, state: Tra
     info = du.info()
     device = require_run(cfg, "train_step").device
     accum = cfg.accum_steps
-    read = read or scaler.is_enabled() or cfg.skip_nonfinite > 0
+    read = read or cfg.skip_nonfinite > 0
     data_time = 0.0
     forward_spans = []
     totals: dict[str, torch.Tensor] = {}
@@ -330,10 +333,10 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, state: Tra
     du.all_reduce_sum(shared)
     lr = optimizer.param_groups[0]["lr"]
     if not read:
-        _optimizer_step(model, optimizer, scaler, cfg, state)
+        scale_fell = _optimizer_step(model, optimizer, scaler, cfg)
         state.step += 1
         state.unread.append(_Unread(names, _to_host(shared), state.step, state.epoch, lr,
-                                    time.perf_counter() - start))
+                                    time.perf_counter() - start, scale_fell))
         return []
     now = _Unread(names, shared.cpu(), state.step + 1, state.epoch, lr, 0.0)  # waits for the step's work
     earlier, state.unread = state.unread, []
@@ -341,6 +344,7 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, state: Tra
         if _bad_ranks(unread):
             raise _nonfinite(unread.step, _bad_ranks(unread), info.rank, None)
     records = [_read(unread, False) for unread in earlier]
+    state.scaler_skipped += sum(bool(unread.scale_fell) for unread in earlier if unread.scale_fell is not None)
     bad_ranks = _bad_ranks(now)
     if bad_ranks:
         if state.nonfinite_skipped >= cfg.skip_nonfinite:
@@ -351,7 +355,8 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, state: Tra
             log.warning("non-finite loss at step %d on rank(s) %s: step skipped (%d of --skip-nonfinite %d)",
                         now.step, bad_ranks, state.nonfinite_skipped, cfg.skip_nonfinite)
     else:
-        _optimizer_step(model, optimizer, scaler, cfg, state)
+        scale_fell = _optimizer_step(model, optimizer, scaler, cfg)
+        state.scaler_skipped += scale_fell is not None and bool(scale_fell)
     state.step += 1
     now.iter_time = time.perf_counter() - start
     return records + [dataclasses.replace(_read(now, True), skipped=bool(bad_ranks))]

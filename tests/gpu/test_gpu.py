@@ -51,9 +51,11 @@ def test_fp16_autocast_trains_with_an_active_grad_scaler():
     assert all(torch.isfinite(torch.tensor(r.loss)) for r in records)
 
 
-def test_fp16_grad_scaler_skips_an_overflowing_step_and_backs_off():
+@pytest.mark.parametrize("read", [True, False])
+def test_fp16_grad_scaler_skips_an_overflowing_step_and_backs_off(read):
     """A scale of 2**60 overflows fp16 gradients: GradScaler skips that step (the weights stay, the
-    scale halves, the engine counts it) and the next step trains."""
+    scale halves, the engine counts it) and the next step trains. A step the loop does not read
+    (`read=False`) is counted when the next read step takes its values, with no host read of its own."""
     cfg = derive(make_config("cpu-tiny", min_size=128, max_size=192, amp=True, amp_dtype="float16"), 1, DEVICE)
     torch.manual_seed(0)
     model = build_model(cfg, 4).to(DEVICE)
@@ -62,11 +64,12 @@ def test_fp16_grad_scaler_skips_an_overflowing_step_and_backs_off():
     train_step(model, optimizer, scaler, batches, cfg, state)
     scaler.update(new_scale=2.0 ** 60)
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    train_step(model, optimizer, scaler, batches, cfg, state)
+    train_step(model, optimizer, scaler, batches, cfg, state, read=read)
     after = [p.detach() for p in model.parameters() if p.requires_grad]
-    assert state.scaler_skipped == 1 and scaler.get_scale() == 2.0 ** 59
+    assert state.scaler_skipped == int(read) and scaler.get_scale() == 2.0 ** 59
     assert all(torch.equal(b, a) for b, a in zip(before, after))
     record = train_step(model, optimizer, scaler, batches, cfg, state)[-1]
+    assert state.scaler_skipped == 1
     assert torch.isfinite(torch.tensor(record.loss))
 
 
