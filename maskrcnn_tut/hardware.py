@@ -120,8 +120,9 @@ def cuda_card() -> tuple[float, tuple[int, int]] | None:
 
 def default_amp_dtype(device: torch.device) -> str:
     """--amp's dtype when --amp-dtype is not given: bfloat16, but float16 on GPUs before compute capability
-    8.0, which have no bfloat16 units (torch emulates it there, slower than fp32)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+    8.0, which have no bfloat16 units (torch emulates it there, slower than fp32). A run derived for CUDA
+    on a machine without it (a test, a plan) gets bfloat16, as on today's GPUs."""
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
         return "float16"
     return "bfloat16"
 

@@ -42,9 +42,15 @@ def test_no_amp_with_an_amp_dtype_is_refused_not_silently_enabled():
 
 
 @pytest.mark.parametrize("amp,dtype,device,expected", [
-    (False, None, "cpu", "float32"), (True, None, "cpu", "bfloat16"), (True, None, "cuda", "float16"),
-    (True, "bfloat16", "cuda", "bfloat16")])
-def test_precision_is_resolved_once_by_derive(amp, dtype, device, expected):
+    (False, None, "cpu", "float32"), (True, None, "cpu", "bfloat16"), (True, None, "cuda 7.0", "float16"),
+    (True, None, "cuda 9.0", "bfloat16"), (True, "bfloat16", "cuda 9.0", "bfloat16")])
+def test_precision_is_resolved_once_by_derive(amp, dtype, device, expected, monkeypatch):
+    """bf16 by default, but fp16 on a GPU without bf16 units (compute capability below 8.0)."""
+    device, _, capability = device.partition(" ")
+    if capability:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability",
+                            lambda device=None: tuple(int(n) for n in capability.split(".")))
     cfg = derive(make_config("cpu-tiny", amp=amp, amp_dtype=dtype), 1, device)
     assert cfg.precision == expected
     context = autocast(cfg, torch.device("cpu"))

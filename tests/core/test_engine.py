@@ -55,6 +55,7 @@ def test_autocast_dtype_follows_the_device(monkeypatch):
     """bf16 on CPUs and on GPUs with bf16 units (no GradScaler, whose reads sync the host); fp16 before them."""
     cfg = make_config("cpu-tiny", amp=True)
     assert autocast_dtype(derive(cfg, 1, "cpu")) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, dtype in (((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16), ((7, 5), torch.float16)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert autocast_dtype(derive(cfg, 1, "cuda")) == dtype

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ def fake_host(monkeypatch):
     def host(gpus: int, cores: int = 16):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda index: SimpleNamespace(total_memory=80 * 2**30, major=9, minor=0))
         monkeypatch.setattr(scaling, "usable_cores", lambda: cores)
         monkeypatch.setattr(scaling, "provenance", lambda command: {"hardware": f"{gpus} fake GPUs",
                                                                           "command": command})
@@ -66,7 +69,7 @@ def test_eight_gpu_table_measures_single_dp_and_ddp_on_all_gpus(fake_host):
     assert single["nprocs"] == 1 and "dataparallel" not in single["runs"][0]
     assert dp["nprocs"] == 1 and dp["runs"][0]["dataparallel"] == 8
     assert ddp["nprocs"] == 8
-    assert single["cfg"].preset == "gpu-r50" and single["cfg"].batch_size == 2  # the preset's batch on GPUs
+    assert single["cfg"].preset == "gpu-r50" and single["cfg"].batch_size == 8  # the preset's batch on 80 GB cards
     assert result.row("DDP")["speedup"] == pytest.approx(8.0)
     assert result.row("DDP")["scaling efficiency"] == pytest.approx(1.0)
     assert result.row("DP")["GPUs"] == 8 and "threads/process" not in result.columns

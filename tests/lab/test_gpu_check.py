@@ -10,6 +10,7 @@ import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import nbformat
 import pytest
@@ -50,6 +51,8 @@ def test_the_compiled_rows_get_their_minutes_only_when_the_budget_has_them():
 def test_the_suite_writes_its_file_after_every_part_and_bounds_each_through_the_launcher(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(total_memory=141 * 2**30, major=9, minor=0))
     monkeypatch.setattr(gpu, "provenance", lambda command: {"hardware": "1x Test GPU", "date": "2026-12-02T00:00",
                                                                "command": command})
     seen = []

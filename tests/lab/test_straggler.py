@@ -36,7 +36,8 @@ def words_on(monkeypatch, gpus: int, balanced_warns: bool) -> tuple[str, list[in
 
 def test_eight_gpus_get_equal_batches_and_quiet_is_said_only_when_measured(monkeypatch):
     quiet, even = words_on(monkeypatch, 8, balanced_warns=False)
-    assert even == [2] * 8 and "with equal batches (2, 2, 2, 2, 2, 2, 2, 2 images) it stayed quiet" in quiet
+    assert even == [8] * 8  # gpu-r50's images per GPU on the fake hosts' 80 GB cards
+    assert "with equal batches (8, 8, 8, 8, 8, 8, 8, 8 images) it stayed quiet" in quiet
     warned, _ = words_on(monkeypatch, 8, balanced_warns=True)
     assert "stayed quiet" not in warned and "warned in the balanced run" in warned
     assert "one GPU" not in warned and "median is their mean" not in warned
