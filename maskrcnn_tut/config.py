@@ -236,6 +236,9 @@ class Run:
     precision: str = field(init=False)
     #: --pin-memory when typed, else on with CUDA
     pin_memory: bool = field(init=False)
+    #: the optimizer's fused implementation, on CUDA: one kernel per step for all parameters where the
+    #: per-parameter loop launches hundreds (the host is what an H200 waits on at a few images per GPU)
+    fused_optimizer: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.settings, Config):
@@ -248,7 +251,8 @@ class Run:
             precision = cfg.amp_dtype or default_amp_dtype(device)
         facts = dict(settings=cfg, device=device, global_batch=global_batch, precision=precision,
                      scaled_lr=cfg.lr * lr_scale(cfg, global_batch),
-                     pin_memory=device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory)
+                     pin_memory=device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory,
+                     fused_optimizer=device.type == "cuda")
         for name, value in facts.items():
             object.__setattr__(self, name, value)
 
@@ -261,7 +265,8 @@ class Run:
     def facts(self) -> dict[str, Any]:
         """What `derive` decided, as JSON values."""
         return dict(world_size=self.world_size, device=str(self.device), global_batch=self.global_batch,
-                    scaled_lr=self.scaled_lr, precision=self.precision, pin_memory=self.pin_memory)
+                    scaled_lr=self.scaled_lr, precision=self.precision, pin_memory=self.pin_memory,
+                    fused_optimizer=self.fused_optimizer)
 
     def to_dict(self) -> dict[str, Any]:
         """The settings, and the derived facts under "derived" (config.json, checkpoints, --print-config)."""

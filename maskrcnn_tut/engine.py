@@ -121,7 +121,7 @@ def build_optimizer(model: nn.Module, cfg: Run) -> torch.optim.Optimizer:
     implementation: one kernel per step for all parameters, where the per-parameter loop launches
     hundreds (and, with a GradScaler, it skips an overflowed step without the host reading a flag)."""
     lr = require_run(cfg, "build_optimizer").scaled_lr
-    fused = {"fused": True} if cfg.device.type == "cuda" else {}
+    fused = {"fused": True} if cfg.fused_optimizer else {}
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:

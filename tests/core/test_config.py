@@ -98,7 +98,7 @@ def test_print_config_shows_the_settings_and_what_the_run_derives_without_traini
     assert printed["backbone"] == "resnet18" and printed["lr"] == 0.004  # the user's lr stays as typed
     assert printed["derived"] == {"world_size": 1, "device": "cpu", "global_batch": 6,
                                   "scaled_lr": pytest.approx(0.004 * (6 / REFERENCE_BATCH) ** 0.5),
-                                  "precision": "float32", "pin_memory": False}
+                                  "precision": "float32", "pin_memory": False, "fused_optimizer": False}
 
 
 @pytest.mark.parametrize("memory_gib, capability, batch, precision", [
@@ -121,6 +121,7 @@ def test_gpu_r50_fits_its_batch_and_precision_to_the_card_in_print_config(monkey
     assert (printed["preset"], printed["batch_size"], printed["aspect_ratio_group_factor"], printed["pad_buckets"],
             printed["amp"]) == ("gpu-r50", batch, 3, 4, True)
     assert printed["derived"]["precision"] == precision and printed["derived"]["device"] == "cuda:0"
+    assert printed["derived"]["fused_optimizer"] is True  # fused SGD: one kernel per step
     assert printed["derived"]["scaled_lr"] == pytest.approx(0.01 * batch / REFERENCE_BATCH)  # linear for SGD
     assert train.main(["--print-config", "--batch-size", "3", "--amp-dtype", "float16"]) == 0
     typed = json.loads(capsys.readouterr().out)
