@@ -100,12 +100,16 @@ class HostWork:
                 "sync sites": dict(self.syncs.most_common())}
 
 
-class _HostTensors(TorchFunctionMode):
-    """Keeps the set of host tensors (module doc) and counts the reads of device tensors it sees."""
+class _Counting:
+    """What both counters share: the counts they add to and the set of host tensors."""
 
     def __init__(self, work: HostWork, host: HostSet):
         super().__init__()
         self.work, self.host = work, host
+
+
+class _HostTensors(_Counting, TorchFunctionMode):
+    """Keeps the set of host tensors (module doc) and counts the reads of device tensors it sees."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -129,12 +133,8 @@ class _HostTensors(TorchFunctionMode):
         return result
 
 
-class _Dispatched(TorchDispatchMode):
+class _Dispatched(_Counting, TorchDispatchMode):
     """Counts the aten ops, the kernel launches among them and the data-dependent syncs."""
-
-    def __init__(self, work: HostWork, host: HostSet):
-        super().__init__()
-        self.work, self.host = work, host
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
