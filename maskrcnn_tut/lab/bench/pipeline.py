@@ -109,6 +109,122 @@ def worker_cost(preset: str | None = None, data_path: str | None = None, workers
             **{f"{name} s/image": seconds / count for name, seconds in pieces.items()}}
 
 
+def _timed(step, device) -> tuple[float, float]:
+    """Wall and process-CPU seconds of `step()`, the device synchronised before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+class PairedLoops:
+    """One model trained in turns by train.py's loop (batches from the loader's workers) and by the bare
+    step (the very batches that loop drew, already in memory). Keeps each loop's step times, process
+    CPU seconds and losses, the workers' CPU seconds per step and each round's first-pair loss gap."""
+
+    def __init__(self, rig, logger: MetricsLogger) -> None:
+        self.rig, self.logger = rig, logger
+        self.stragglers, self.stop = StragglerCheck(every=rig.cfg.print_freq), threading.Event()
+        self.stream = rig.batches
+        self.drawn: list = []  # the batches the loop drew (through `rig.batches`) since it was last cleared
+        self.losses = {name: [] for name in LOOPS}  # each step's loss: a pair's two must agree (the same work)
+        self.wall = {name: [] for name in LOOPS}
+        self.cpu = {name: [] for name in LOOPS}
+        self.worker_cpu: list[float] = []
+        self.gaps: list[float] = []
+
+    def rewind(self, position: TrainState) -> None:
+        """Draw again from `position`: the same batches, through the same workers."""
+        self.stream.close()
+        self.rig.state.__dict__.update(copy.copy(position).__dict__)
+        self.stream = batch_stream(self.rig.loader, self.rig.state)
+        self.rig.batches = (self.drawn.append(batch) or batch for batch in self.stream)
+
+    def loop_step(self) -> None:
+        """One step as train.py's loop takes it."""
+        rig = self.rig
+        record = rig.step(stop_requested=self.stop.is_set())
+        self.losses[LOOPS[0]].append(record.loss)
+        rig.scheduler.step()
+        self.logger(record)
+        self.stragglers(record)
+
+    def bare_step(self, batch) -> None:
+        """Forward, summed losses, backward, optimizer step and the schedule's step: nothing else."""
+        rig = self.rig
+        loss = sum(rig.model(*batch).values())
+        loss.backward()
+        rig.optimizer.step()
+        rig.optimizer.zero_grad(set_to_none=True)
+        rig.scheduler.step()  # the loop's lr, step for step
+        self.losses[LOOPS[1]].append(float(loss.detach()))
+
+    def warm_up(self, steps: int) -> None:
+        """`steps` loop steps, then bare steps on the batches they drew."""
+        self.rewind(self.rig.state)
+        for _ in range(steps):
+            self.loop_step()
+        for batch in self.drawn[-steps:]:
+            self.bare_step(to_device(*batch, self.rig.device))
+
+    def round(self, number: int, steps: int) -> None:
+        """`steps` untimed loop steps, then the same steps timed in each loop from the same start."""
+        rig = self.rig
+        start, position = _snapshot(rig.model, rig.optimizer, rig.scheduler), copy.copy(rig.state)
+        self.drawn.clear()
+        for _ in range(steps):  # untimed: the kernels meet this round's new image shapes here
+            self.loop_step()
+        seen = _image_ids(self.drawn)
+        # augmentation is a function of (seed, epoch, index): the timed loop draws these very batches
+        ready = [to_device(*batch, rig.device) for batch in self.drawn]
+        # every other round runs the bare steps first, so neither side always meets a machine the
+        # other has just warmed (caches, the allocator, the clock)
+        if number % 2 == 0:
+            self.timed_loop(start, position, steps, seen)
+            self.timed_bare(start, ready)
+        else:
+            self.timed_bare(start, ready)
+            self.timed_loop(start, position, steps, seen)
+        # a round's first pair starts from the same weights and random state: the same loss, exactly
+        # as far as float rounding goes (later pairs drift apart by the rounding of multi-threaded
+        # kernels, which can change which RoIs get sampled, not how much work a step is)
+        first_loop, first_bare = self.losses[LOOPS[0]][-steps], self.losses[LOOPS[1]][0]
+        self.gaps.append(abs(first_loop - first_bare) / max(abs(first_bare), 1e-12))
+
+    def timed_loop(self, start: tuple, position: TrainState, steps: int, seen: list) -> None:
+        """The loop's `steps` steps timed from `start`, the loader rewound to `position`."""
+        rig = self.rig
+        _restore(rig.model, rig.optimizer, rig.scheduler, start)
+        self.rewind(position)
+        self.drawn.clear()
+        before = workers_cpu_seconds(rig.loader)
+        for _ in range(steps):
+            seconds, process = _timed(self.loop_step, rig.device)
+            self.wall[LOOPS[0]].append(seconds)
+            self.cpu[LOOPS[0]].append(process)
+        after = workers_cpu_seconds(rig.loader)
+        if before is not None and after is not None:
+            self.worker_cpu.append((after - before) / steps)
+        assert _image_ids(self.drawn) == seen, "the rewound loader drew other batches"
+
+    def timed_bare(self, start: tuple, ready: list) -> None:
+        """The bare step timed on each batch of `ready` from `start`."""
+        rig = self.rig
+        _restore(rig.model, rig.optimizer, rig.scheduler, start)
+        del self.losses[LOOPS[1]][:]
+        for batch in ready:
+            seconds, process = _timed(lambda: self.bare_step(batch), rig.device)
+            self.wall[LOOPS[1]].append(seconds)
+            self.cpu[LOOPS[1]].append(process)
+
+
+def _image_ids(batches: list) -> list[list]:
+    return [[t["image_id"] for t in batch[1]] for batch in batches]
+
+
 def pipeline(preset: str | None = None, data_path: str | None = None, workers: int | None = None,
              batch_size: int | None = None, rounds: int = 3, steps: int = 4, warmup: int = 2,
              **overrides) -> BenchResult:
@@ -117,122 +233,25 @@ def pipeline(preset: str | None = None, data_path: str | None = None, workers: i
     first time they are met), then rewinds weights, optimizer, schedule, random state and the
     loader's position and runs them timed, then rewinds the model again and runs them bare on the
     batches the loop drew: both timed passes do the same model work, step for step, so a pair's
-    ratio is what the loop and its workers cost."""
+    ratio is what the loop and its workers cost (`PairedLoops`)."""
     cfg = _settings(preset, data_path, workers, batch_size, **overrides)
     du.init_distributed()
-    drawn: list = []
     rig = build_rig(cfg)
-    stream = rig.batches
-
-    def rewind(position) -> None:
-        """Draw again from `position` (a TrainState): the same batches, through the same workers."""
-        nonlocal stream
-        stream.close()
-        rig.state.__dict__.update(copy.copy(position).__dict__)
-        stream = batch_stream(rig.loader, rig.state)
-        rig.batches = (drawn.append(batch) or batch for batch in stream)
-
-    model, optimizer, device = rig.model, rig.optimizer, rig.device
-
-    losses = {name: [] for name in LOOPS}  # each step's loss: a pair's two must agree (the same work)
-
-    def bare_step(batch) -> None:
-        loss = sum(model(*batch).values())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        rig.scheduler.step()  # the loop's lr, step for step
-        losses[LOOPS[1]].append(float(loss.detach()))
-
-    def timed(step) -> tuple[float, float]:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall, cpu = time.perf_counter(), time.process_time()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - wall, time.process_time() - cpu
-
     with tempfile.TemporaryDirectory() as out:
-        logger = MetricsLogger(Path(out), 10**6, 0, rig.cfg.global_batch, device, rig.cfg.print_freq, progress=False)
-        stragglers, stop = StragglerCheck(every=rig.cfg.print_freq), threading.Event()
-
-        def loop_step() -> None:
-            record = rig.step(stop_requested=stop.is_set())
-            losses[LOOPS[0]].append(record.loss)
-            rig.scheduler.step()
-            logger(record)
-            stragglers(record)
-
-        rewind(rig.state)
-        for _ in range(warmup):
-            loop_step()
-        for batch in drawn[-warmup:]:
-            bare_step(to_device(*batch, device))
-        wall = {name: [] for name in LOOPS}
-        cpu = {name: [] for name in LOOPS}
-        worker_cpu, gaps = [], []
+        logger = MetricsLogger(Path(out), 10**6, 0, rig.cfg.global_batch, rig.device, rig.cfg.print_freq,
+                               progress=False)
+        loops = PairedLoops(rig, logger)
+        loops.warm_up(warmup)
         for number in range(rounds):
-            start, position = _snapshot(model, optimizer, rig.scheduler), copy.copy(rig.state)
-            drawn.clear()
-            for _ in range(steps):  # untimed: the kernels meet this round's new image shapes here
-                loop_step()
-            seen = [[t["image_id"] for t in batch[1]] for batch in drawn]
-            # augmentation is a function of (seed, epoch, index): the timed loop draws these very batches
-            ready = [to_device(*batch, device) for batch in drawn]
-
-            def timed_loop() -> None:
-                _restore(model, optimizer, rig.scheduler, start)
-                rewind(position)
-                drawn.clear()
-                before = workers_cpu_seconds(rig.loader)
-                for _ in range(steps):
-                    seconds, process = timed(loop_step)
-                    wall[LOOPS[0]].append(seconds)
-                    cpu[LOOPS[0]].append(process)
-                after = workers_cpu_seconds(rig.loader)
-                if before is not None and after is not None:
-                    worker_cpu.append((after - before) / steps)
-                assert [[t["image_id"] for t in batch[1]] for batch in drawn] == seen, \
-                    "the rewound loader drew other batches"
-
-            def timed_bare() -> None:
-                _restore(model, optimizer, rig.scheduler, start)
-                del losses[LOOPS[1]][:]
-                for batch in ready:
-                    seconds, process = timed(lambda: bare_step(batch))
-                    wall[LOOPS[1]].append(seconds)
-                    cpu[LOOPS[1]].append(process)
-
-            # every other round runs the bare steps first, so neither side always meets a machine the
-            # other has just warmed (caches, the allocator, the clock)
-            for run in (timed_loop, timed_bare) if number % 2 == 0 else (timed_bare, timed_loop):
-                run()
-            # a round's first pair starts from the same weights and random state: the same loss, exactly
-            # as far as float rounding goes (later pairs drift apart by the rounding of multi-threaded
-            # kernels, which can change which RoIs get sampled, not how much work a step is)
-            first_loop, first_bare = losses[LOOPS[0]][-steps], losses[LOOPS[1]][0]
-            gaps.append(abs(first_loop - first_bare) / max(abs(first_bare), 1e-12))
+            loops.round(number, steps)
         logger.close()
-    stream.close()  # the loop's batches end; its workers sit idle while the workers alone are timed
+    loops.stream.close()  # the loop's batches end; its workers sit idle while the workers alone are timed
     cost = worker_cost(preset, data_path, workers, batch_size, **overrides)
-    ratios = [a / b for a, b in zip(wall[LOOPS[0]], wall[LOOPS[1]])]
-    lo, mid, hi = _quartiles(ratios)
-    rows = []
-    for name in LOOPS:
-        rows.append({"loop": name, "s/step": statistics.median(wall[name]), "min s": min(wall[name]),
-                     "max s": max(wall[name]), "process CPU s/step": statistics.median(cpu[name]),
-                     "worker CPU s/step": statistics.median(worker_cpu) if worker_cpu and name == LOOPS[0] else None})
-    rows[0].update({"pairs": len(ratios), "pair ratios": [round(r, 4) for r in ratios],  # runs pool them
-                    "loss gap": max(gaps), "vs bare %": 100 * (mid - 1),
-                    "vs bare % lo": 100 * (lo - 1), "vs bare % hi": 100 * (hi - 1),
-                    "worker CPU ms/image": None if cost["worker cpu s/image"] is None
-                    else 1000 * cost["worker cpu s/image"]})
-    images_per_step = rig.cfg.batch_size * rig.cfg.accum_steps
+    ratios = [a / b for a, b in zip(loops.wall[LOOPS[0]], loops.wall[LOOPS[1]])]
     notes = [english("bench.pipeline_setup", preset=rig.cfg.preset, backbone=rig.cfg.backbone,
-                     min_size=rig.cfg.min_size, max_size=rig.cfg.max_size, images=images_per_step, data=cfg.data_path,
-                     workers=worker_count(rig.cfg), threads=torch.get_num_threads(), device=device, rounds=rounds,
-                     steps=steps, warmup=warmup),
+                     min_size=rig.cfg.min_size, max_size=rig.cfg.max_size,
+                     images=rig.cfg.batch_size * rig.cfg.accum_steps, data=cfg.data_path, workers=worker_count(rig.cfg),
+                     threads=torch.get_num_threads(), device=rig.device, rounds=rounds, steps=steps, warmup=warmup),
              english("bench.pipeline_ratio", pairs=len(ratios)), english("bench.pipeline_order"),
              english("bench.pipeline_workers"),
              english("bench.pipeline_alone", images=cost["images"],
@@ -240,10 +259,27 @@ def pipeline(preset: str | None = None, data_path: str | None = None, workers: i
                                                                                       "pack")})]
     command = python_call("lab.bench.pipeline", preset=preset, data_path=data_path, workers=workers,
                           batch_size=batch_size, rounds=rounds, steps=steps, warmup=warmup, **overrides)
-    return BenchResult("pipeline", english("bench.pipeline_title"),
-                       rows, ["loop", "s/step", "min s", "max s", "vs bare %", "vs bare % lo", "vs bare % hi",
-                              "process CPU s/step", "worker CPU s/step", "worker CPU ms/image", "loss gap"], notes,
+    return BenchResult("pipeline", english("bench.pipeline_title"), _pipeline_rows(loops, ratios, cost),
+                       ["loop", "s/step", "min s", "max s", "vs bare %", "vs bare % lo", "vs bare % hi",
+                        "process CPU s/step", "worker CPU s/step", "worker CPU ms/image", "loss gap"], notes,
                        provenance(command))
+
+
+def _pipeline_rows(loops: PairedLoops, ratios: list[float], cost: dict) -> list[dict]:
+    """One row per loop (median, fastest and slowest step; CPU seconds), the pairs' ratio on the loop's row."""
+    lo, mid, hi = _quartiles(ratios)
+    rows = []
+    for name in LOOPS:
+        wall, worker_cpu = loops.wall[name], loops.worker_cpu
+        rows.append({"loop": name, "s/step": statistics.median(wall), "min s": min(wall), "max s": max(wall),
+                     "process CPU s/step": statistics.median(loops.cpu[name]),
+                     "worker CPU s/step": statistics.median(worker_cpu) if worker_cpu and name == LOOPS[0] else None})
+    rows[0].update({"pairs": len(ratios), "pair ratios": [round(r, 4) for r in ratios],  # runs pool them
+                    "loss gap": max(loops.gaps), "vs bare %": 100 * (mid - 1),
+                    "vs bare % lo": 100 * (lo - 1), "vs bare % hi": 100 * (hi - 1),
+                    "worker CPU ms/image": None if cost["worker cpu s/image"] is None
+                    else 1000 * cost["worker cpu s/image"]})
+    return rows
 
 
 def _snapshot(model, optimizer, scheduler) -> tuple:
