@@ -22,6 +22,7 @@ Plot labels, default timeline labels and `accumulation_plan`'s sentence are in t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import itertools
 import pickle
@@ -80,90 +81,109 @@ class MemoryTimeline:
                 "peak falls in": part}
 
 
+class StepMemory:
+    """What autograd holds for backward and the gradients made so far while one step runs: each change
+    appends a point (ms, saved MiB, gradient MiB, part) to `timeline`. Its methods are the hooks that
+    `memory_timeline` installs; storages of `parameters` (data pointers) are not counted as saved."""
+
+    def __init__(self, timeline: MemoryTimeline, parameters: set[int]) -> None:
+        self.timeline, self.parameters = timeline, parameters
+        self.saved = self.grads = 0  # bytes
+        self.part = "start"  # the part of the model (PARTS) or of the step running now
+        self.packs: dict[int, int] = {}  # storage -> references saved for backward
+        self.unpacks: dict[int, int] = {}  # storage -> references backward has used
+        self.sizes: dict[int, int] = {}
+        self.with_grad: set[int] = set()
+        self.start = time.perf_counter()
+
+    def record(self) -> None:
+        self.timeline.points.append((1000 * (time.perf_counter() - self.start), self.saved / MIB, self.grads / MIB,
+                                     self.part))
+
+    def pack(self, tensor):
+        """Saved-tensor hook: a storage counts once, from its first reference."""
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.parameters:
+            return tensor
+        if self.packs.get(key, 0) == self.unpacks.get(key, 0):  # not held yet (or released again)
+            self.sizes[key] = storage.nbytes()
+            self.saved += storage.nbytes()
+            self.record()
+        self.packs[key] = self.packs.get(key, 0) + 1
+        return key, tensor
+
+    def unpack(self, packed):
+        """Saved-tensor hook: a storage is released when backward has used its last reference."""
+        if not isinstance(packed, tuple):
+            return packed
+        key, tensor = packed
+        self.unpacks[key] = self.unpacks.get(key, 0) + 1
+        if self.unpacks[key] == self.packs[key]:
+            self.saved -= self.sizes[key]
+            self.part = "backward"
+            self.record()
+        return tensor
+
+    def gradient_made(self, param) -> None:
+        """Post-accumulate-grad hook: a parameter's gradient counts once, when first made."""
+        if id(param) not in self.with_grad:
+            self.with_grad.add(id(param))
+            self.grads += param.numel() * param.element_size()
+            self.part = "backward"
+            self.record()
+
+    def enter(self, name: str, *_) -> None:
+        """Forward pre-hook (with the part's name bound): the step is now in part `name`."""
+        self.part = name
+
+    def micro_batches(self, batches):
+        """`batches`, marking where each micro-batch starts."""
+        for micro in itertools.count():
+            # what backward did not use (branches that do not reach the loss) is freed with the graph
+            self.saved, self.packs, self.unpacks = 0, {}, {}
+            self.part = "data" if micro == 0 else "next micro-batch"
+            self.record()
+            yield next(batches)
+
+
+def _optimizer_state_mb(optimizer, trainable: list) -> float:
+    """Create the optimizer's state with one step on zero gradients (AdamW: two moments); its MiB."""
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+               if torch.is_tensor(t)) / MIB
+
+
 def memory_timeline(cfg: Config, batch_size: int, accum_steps: int = 1, amp_dtype: str | None = None,
                     image_size: int | None = None, label: str = "") -> MemoryTimeline:
-    """The timeline of one optimizer step (module doc), in this process, on the CPU."""
+    """The timeline of one optimizer step (module doc), in this process, on the CPU (`StepMemory`)."""
     size = image_size or cfg.min_size
     settings = dataclasses.replace(cfg, batch_size=batch_size, accum_steps=accum_steps, amp=amp_dtype is not None,
                                    amp_dtype=amp_dtype, min_size=size, max_size=size, pin_memory=False)
     rig = build_rig(settings, device="cpu", batches=synthetic_batches(settings))
     cfg, model, optimizer = rig.cfg, rig.module, rig.optimizer
     trainable = [p for p in model.parameters() if p.requires_grad]
-    for p in trainable:  # one step on zero gradients creates the optimizer state (AdamW: two moments)
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer_mb = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-                       if torch.is_tensor(t)) / MIB
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    optimizer_mb = _optimizer_state_mb(optimizer, trainable)
     timeline = MemoryTimeline(label or say("timeline.label", batch=batch_size, accum=accum_steps, precision=cfg.precision),
-                              batch_size,
-                              accum_steps, cfg.precision, sum(p.numel() * p.element_size() for p in model.parameters()) / MIB,
-                              optimizer_mb)
-    state = {"saved": 0, "grads": 0, "part": "start", "packs": {}, "unpacks": {}, "sizes": {}, "with_grad": set()}
-    start = time.perf_counter()
-
-    def record() -> None:
-        timeline.points.append((1000 * (time.perf_counter() - start), state["saved"] / MIB, state["grads"] / MIB,
-                                state["part"]))
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in parameters:
-            return tensor
-        if state["packs"].get(key, 0) == state["unpacks"].get(key, 0):  # not held yet (or released again)
-            state["sizes"][key] = storage.nbytes()
-            state["saved"] += storage.nbytes()
-            record()
-        state["packs"][key] = state["packs"].get(key, 0) + 1
-        return key, tensor
-
-    def unpack(packed):
-        if not isinstance(packed, tuple):
-            return packed
-        key, tensor = packed
-        state["unpacks"][key] = state["unpacks"].get(key, 0) + 1
-        if state["unpacks"][key] == state["packs"][key]:  # backward has used its last reference
-            state["saved"] -= state["sizes"][key]
-            state["part"] = "backward"
-            record()
-        return tensor
-
-    def gradient_made(param) -> None:
-        if id(param) not in state["with_grad"]:
-            state["with_grad"].add(id(param))
-            state["grads"] += param.numel() * param.element_size()
-            state["part"] = "backward"
-            record()
-
-    def entering(name):
-        def hook(*_):
-            state["part"] = name
-        return hook
-
+                              batch_size, accum_steps, cfg.precision,
+                              sum(p.numel() * p.element_size() for p in model.parameters()) / MIB, optimizer_mb)
+    memory = StepMemory(timeline, {p.untyped_storage().data_ptr() for p in model.parameters()})
     modules = dict(model.named_modules())
-    handles = [modules[path].register_forward_pre_hook(entering(name)) for path, name in PARTS if path in modules]
-    handles += [p.register_post_accumulate_grad_hook(gradient_made) for p in trainable]
-    batches = rig.batches
-
-    def micro_batches():
-        for micro in itertools.count():
-            # what backward did not use (branches that do not reach the loss) is freed with the graph
-            state["saved"], state["packs"], state["unpacks"] = 0, {}, {}
-            state["part"] = "data" if micro == 0 else "next micro-batch"
-            record()
-            yield next(batches)
-
-    rig.batches = micro_batches()
+    handles = [modules[path].register_forward_pre_hook(functools.partial(memory.enter, name))
+               for path, name in PARTS if path in modules]
+    handles += [p.register_post_accumulate_grad_hook(memory.gradient_made) for p in trainable]
+    rig.batches = memory.micro_batches(rig.batches)
     optimizer.zero_grad(set_to_none=True)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(memory.pack, memory.unpack):
             rig.step()
     finally:
         for handle in handles:
             handle.remove()
-    state["part"], state["saved"] = "optimizer step", 0
-    record()
+    memory.part, memory.saved = "optimizer step", 0
+    memory.record()
     return timeline
 
 
