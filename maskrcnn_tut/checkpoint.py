@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import distributed as du
+from .atomic import atomic_write, fsync_dir
 from .config import Config, Run
 from .engine import TrainState
 from .errors import CheckpointError
@@ -43,34 +44,18 @@ _NUMBERED = re.compile(r"^step_(\d+)\.pt$")
 _TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)$")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_save(obj, path: Path) -> None:
-    """`torch.save` to a temp file in the same folder, fsync, rename over `path`, fsync the folder.
-
-    A failed write (disk full, quota) raises `CheckpointError` and leaves `path` as it was.
+    """`torch.save` to `path` by `atomic.atomic_write` (a temp file in the same folder, fsynced, renamed
+    over `path`, the folder fsynced). A failed write (disk full, quota) raises `CheckpointError` and
+    leaves `path` as it was.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        atomic_write(path, lambda f: torch.save(obj, f))
     except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
         reason = getattr(err, "strerror", None) or str(err).splitlines()[0][:200]
         raise CheckpointError(f"{path}: cannot be written ({reason}); the previous checkpoint is untouched") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def remove_stale_temporaries(ckpt_dir: Path) -> list[Path]:
@@ -117,7 +102,7 @@ def save(ckpt_dir: Path, payload: dict, step: int, keep: int) -> Path:
     try:
         os.link(path, link)
         os.replace(link, ckpt_dir / "last.pt")
-        _fsync_dir(ckpt_dir)
+        fsync_dir(ckpt_dir)
     except OSError:  # filesystems without hard links get a copy
         link.unlink(missing_ok=True)
         atomic_save(payload, ckpt_dir / "last.pt")

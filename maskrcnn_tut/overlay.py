@@ -9,6 +9,8 @@ import torch
 from PIL import Image
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
+from .atomic import atomic_write
+
 #: JPEG quality of the overlays (PNG inputs keep PNG: lossless in, lossless out).
 JPEG_QUALITY = 90
 
@@ -38,13 +40,9 @@ def draw(image: torch.Tensor, output: dict, class_names: list[str], threshold: f
 
 
 def save(image: torch.Tensor, path: Path) -> None:
-    """Write a uint8 CHW image as PNG or JPEG by `path`'s suffix, through a temporary file so an
-    interrupted run leaves no half-written overlay."""
+    """Write a uint8 CHW image as PNG or JPEG by `path`'s suffix, whole (`atomic.atomic_write`, without
+    fsync: an overlay is drawn again by rerunning), so an interrupted run leaves no half-written overlay."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     picture = Image.fromarray(image.permute(1, 2, 0).contiguous().numpy())
-    if path.suffix.lower() == ".png":
-        picture.save(tmp, format="PNG")
-    else:
-        picture.save(tmp, format="JPEG", quality=JPEG_QUALITY)
-    tmp.replace(path)
+    options = {"format": "PNG"} if path.suffix.lower() == ".png" else {"format": "JPEG", "quality": JPEG_QUALITY}
+    atomic_write(path, lambda f: picture.save(f, **options), durable=False)

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 import time
 from collections import Counter
@@ -30,6 +29,7 @@ from tqdm.auto import tqdm
 from . import checkpoint as ckpt
 from . import distributed as du
 from . import overlay
+from .atomic import atomic_write
 from .config import Config, derive
 from .data.clean import category_labels, load_coco_json, resize_fails
 from .data.coco import read_rgb
@@ -141,13 +141,8 @@ class ImageFiles(Dataset):
 
 
 def write_json(obj, path: Path) -> None:
-    """Write whole, then rename into place: readers see the previous file or the new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write whole, then rename into place (`atomic.atomic_write`): readers see the previous file or the new one."""
+    atomic_write(path, lambda f: json.dump(obj, f), mode="w")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,6 +25,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..atomic import atomic_write
+
 #: Part of the cache key: bump it whenever what a record holds or how it is cleaned changes.
 CACHE_VERSION = 1
 #: Smaller datasets clean in a second or two: not worth a file in the cache (COCO val2017, 5k images, is).
@@ -94,19 +96,18 @@ def _map(path: Path, start: int, size: int) -> np.ndarray:
 
 
 def write_records(path: Path, records: Records, header: dict) -> None:
-    """`records` and a picklable `header` in one file, written to a temp file and renamed."""
+    """`records` and a picklable `header` in one file, written whole (`atomic.atomic_write`; a cache,
+    so without fsync: `read_records` refuses a file that is not complete)."""
     head = pickle.dumps({**header, "offsets": records.offsets, "index": records.index},
                         protocol=pickle.HIGHEST_PROTOCOL)
     start = -(-(len(_MAGIC) + 8 + len(head)) // _ALIGN) * _ALIGN
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(_MAGIC + struct.pack("<Q", len(head)) + head)
-            f.write(b"\0" * (start - f.tell()))
-            f.write(memoryview(records.buffer))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    def write(f) -> None:
+        f.write(_MAGIC + struct.pack("<Q", len(head)) + head)
+        f.write(b"\0" * (start - f.tell()))
+        f.write(memoryview(records.buffer))
+
+    atomic_write(path, write, durable=False)
 
 
 def read_records(path: Path) -> tuple[Records, dict] | None:

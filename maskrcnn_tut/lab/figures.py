@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..atomic import atomic_write
 from ..data.shapes import default_cache_dir
 from .bench.cache import call_arguments
 
@@ -152,9 +153,7 @@ def _keep(path: Path, written: list, result: Any, error: Exception | None) -> No
         if error is None:
             raise
         return
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(kept)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write(kept), durable=False)
 
 
 def work_dir(name: str) -> Path:

@@ -51,4 +51,4 @@ def test_a_run_stopped_mid_stage_keeps_the_finished_stages_files(tmp_path):
     for name in ("trace_fp32.json.gz", "trace_bf16.json.gz"):
         assert json.loads(gzip.decompress((out / name).read_bytes()))["traceEvents"]
     assert (out / "nvml.csv").read_text().startswith("time,stage,gpu,util")
-    assert not list(out.glob("*.partial"))
+    assert not list(out.glob(".*.tmp-*"))  # no summary.json left half-written

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ...atomic import atomic_write
 from ...data.shapes import default_cache_dir
 from ...monitor import img_per_s_median
 from ..machine import provenance
@@ -211,9 +212,8 @@ def cached(fn: Callable[..., BenchResult], *args, refresh: bool = False, directo
         measured = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         result.provenance["cache"] = {"hit": False, "file": str(path), "measured": measured, "spread": spread,
                                       "code": key["code"], "other load": None if load is None else round(load, 3)}
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "result": result.to_dict()}, indent=1) + "\n")
-        os.replace(tmp, path)
+        text = json.dumps({"key": key, "result": result.to_dict()}, indent=1) + "\n"
+        atomic_write(path, lambda f: f.write(text), mode="w", durable=False)
         return result
 
 

@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import gzip
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -43,6 +42,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ... import distributed as du
+from ...atomic import atomic_write
 from ...engine import advance_schedule, train_step
 from ..gpus import GPUSampler
 from ..machine import provenance
@@ -73,9 +73,7 @@ def write_summary(out: Path, stage: str, result: dict) -> None:
     summary = json.loads(path.read_text()) if path.exists() else {
         "provenance": provenance("bash tools/gpu_check.sh"), "kind": "steady-state", "stages": {}}
     summary["stages"][stage] = result
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(summary, indent=1, default=str))
-    os.replace(partial, path)
+    atomic_write(path, lambda f: json.dump(summary, f, indent=1, default=str), mode="w", durable=False)
 
 
 @contextlib.contextmanager
