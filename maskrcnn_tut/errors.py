@@ -31,6 +31,13 @@ class ConfigError(UserError, ValueError):
     """A setting that cannot work; the message names the flag and what is allowed."""
 
 
+class OutOfSharedMemory(ConfigError):
+    """/dev/shm is too small for the DataLoader workers: each rank meets it on its own (its own workers,
+    its own queues, at its own moment), so each rank says so, naming itself."""
+
+    rank_specific = True
+
+
 class DataError(UserError, ValueError):
     """The dataset leaves nothing to train on (bad json, no usable images, fewer than one batch)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import errno
 import multiprocessing
 import multiprocessing.util  # registers the exit hook that `_end_workers_at_exit` must run before
 import os
@@ -28,10 +29,11 @@ from torch.utils.data import (
     Subset,
     get_worker_info,
 )
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 from torchvision.transforms import v2
 
 from ..config import require_run
-from ..errors import ConfigError, DataError
+from ..errors import DataError, OutOfSharedMemory
 from ..hardware import usable_cores
 from ..preemption import STOP_SIGNALS
 from .coco import LOAD_FAILED_KEY, CocoDetection, coco_paths
@@ -241,11 +243,21 @@ def _worker_message(err: DataError) -> str:
     return last.split(marker, 1)[1] if marker in last else last
 
 
-def _out_of_shared_memory() -> ConfigError:
+def _out_of_shared_memory() -> OutOfSharedMemory:
     usage = shutil.disk_usage("/dev/shm") if Path("/dev/shm").is_dir() else None
     space = f" ({usage.free / 2**20:.1f} of {usage.total / 2**20:.1f} MiB free)" if usage else ""
-    return ConfigError(f"DataLoader workers ran out of shared memory, /dev/shm{space}: use --workers 0, or give the "
-                       "job a bigger /dev/shm (docker --shm-size, a Kubernetes emptyDir with medium: Memory)")
+    rank = f"rank {torch.distributed.get_rank()}: " if torch.distributed.is_initialized() else ""
+    return OutOfSharedMemory(f"{rank}DataLoader workers ran out of shared memory, /dev/shm{space}: use --workers 0, or "
+                             "give the job a bigger /dev/shm (docker --shm-size, a Kubernetes emptyDir with medium: Memory)")
+
+
+def _is_out_of_shared_memory(err: Exception) -> bool:
+    """A full /dev/shm as the loader meets it: a worker's block that cannot be allocated (torch's
+    RuntimeError), or a queue's lock (a POSIX semaphore in /dev/shm) that cannot be made, in this
+    process (OSError ENOSPC) or re-raised from a worker (its message only)."""
+    if isinstance(err, RuntimeError):
+        return "shared memory" in str(err)
+    return isinstance(err, OSError) and (err.errno == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(err))
 
 
 def iterate(loader: DataLoader) -> Iterator:
@@ -260,7 +272,12 @@ def iterate(loader: DataLoader) -> Iterator:
         dataset = dataset.dataset
     held = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS)  # inherited by the workers forked here
     try:
-        batches = iter(loader)
+        batches = iter(loader)  # makes the workers' queues: their locks live in /dev/shm
+    except OSError as err:
+        if not _is_out_of_shared_memory(err):
+            raise
+        _disarm_half_made_iterator(err)
+        raise _out_of_shared_memory() from None
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
     try:
@@ -275,11 +292,26 @@ def iterate(loader: DataLoader) -> Iterator:
     except DataError as err:
         _end_workers(loader, batches)
         raise DataError(_worker_message(err)) from None
-    except RuntimeError as err:
+    except (RuntimeError, OSError) as err:
         _end_workers(loader, batches)
-        if "shared memory" not in str(err):
+        if not _is_out_of_shared_memory(err):
             raise
         raise _out_of_shared_memory() from None
+
+
+def _disarm_half_made_iterator(err: BaseException) -> None:
+    """End the workers of a DataLoader iterator whose `__init__` failed (a queue's lock that /dev/shm had
+    no room for), and mark it shut down: its `__del__` would otherwise print a traceback of its own
+    (`AttributeError: ... no attribute '_shutdown'`) when the error's frames are collected."""
+    tb = err.__traceback__
+    while tb is not None:
+        made = tb.tb_frame.f_locals.get("self")
+        if isinstance(made, _MultiProcessingDataLoaderIter) and not hasattr(made, "_shutdown"):
+            for worker in getattr(made, "_workers", []):
+                worker.kill()
+                worker.join()
+            made._shutdown = True
+        tb = tb.tb_next
 
 
 def _end_workers(loader: DataLoader, batches) -> None:
