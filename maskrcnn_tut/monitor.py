@@ -208,6 +208,13 @@ class MetricsLogger:
 # --------------------------------------------------------------------------- stragglers
 
 
+#: The warning's only wording in English; the book's Japanese entry (`bench.straggler_warning`) fills the same fields.
+STRAGGLER_WARNING = ("straggler: rank {slow} needed {ratio:.2f}x the median forward time over steps {first}-{last} "
+                     "({slow_s:.3f} s vs {median_s:.3f} s per step); every other rank waits for it at each "
+                     "all-reduce. Check its share of the data (the DistributedSampler, image sizes), its device "
+                     "(other jobs, throttling) or CPU threads.")
+
+
 class StragglerCheck:
     """Training callback: every `every` steps, warn naming the rank whose median forward time over
     those steps exceeds `threshold` x the median over ranks. Logs on rank 0; `warnings` keeps them.
@@ -223,6 +230,7 @@ class StragglerCheck:
         self.every, self.threshold = every, threshold
         self.window: list[list[float]] = []
         self.warnings: list[str] = []
+        self.found: list[dict] = []  # each warning's figures, which the book words in its own language
 
     def __call__(self, record) -> None:
         if len(record.rank_forward_times) < 2:
@@ -237,10 +245,10 @@ class StragglerCheck:
         slow = max(range(len(per_rank)), key=per_rank.__getitem__)
         ratio = per_rank[slow] / middle if middle > 0 else 1.0
         if ratio > self.threshold:
-            message = (f"straggler: rank {slow} needed {ratio:.2f}x the median forward time over steps "
-                       f"{first}-{record.step} ({per_rank[slow]:.3f} s vs {middle:.3f} s per step); every "
-                       "other rank waits for it at each all-reduce. Check its share of the data (the "
-                       "DistributedSampler, image sizes), its device (other jobs, throttling) or CPU threads.")
+            found = {"slow": slow, "ratio": ratio, "first": first, "last": record.step,
+                     "slow_s": per_rank[slow], "median_s": middle}
+            message = STRAGGLER_WARNING.format(**found)
+            self.found.append(found)
             self.warnings.append(message)
             if du.info().is_main:
                 log.warning(message)

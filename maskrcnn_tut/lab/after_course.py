@@ -34,17 +34,16 @@ from ..data.loader import build_dataset
 from ..evaluate import coco_metrics
 from ..model import build_model
 from ..monitor import read_jsonl
-from . import wording
+from .wording import say
 
 #: The overfit check passes when the last logged loss is at most this fraction of the first.
 OVERFIT_LOSS_RATIO = 0.5
 #: The fields of a COCO results entry (the format `predict` writes and `COCO.loadRes` reads); what
 #: each means is entry `meaning_<field>` of `prose/after_course.json`.
-RESULT_FIELDS = ("image_id", "category_id", "bbox", "score", "segmentation")
-
-
-def _say(entry: str, **values) -> str:
-    return wording.say(f"after_course.{entry}", **values)
+#: Each field of a detections.json entry, with the catalog key of what it means.
+RESULT_FIELDS = {"image_id": "after_course.meaning_image_id", "category_id": "after_course.meaning_category_id",
+                 "bbox": "after_course.meaning_bbox", "score": "after_course.meaning_score",
+                 "segmentation": "after_course.meaning_segmentation"}
 
 
 def run_cli(main: Callable[[list[str]], int], prog: str, argv: Sequence) -> None:
@@ -54,7 +53,7 @@ def run_cli(main: Callable[[list[str]], int], prog: str, argv: Sequence) -> None
     print(f"$ {prog} {shlex.join(args)}", flush=True)
     code = main(args)
     if code:
-        raise RuntimeError(_say("exited", prog=prog, code=code))
+        raise RuntimeError(say("after_course.exited", prog=prog, code=code))
 
 
 def overfit_images(cfg, count: int) -> list[Path]:
@@ -86,7 +85,7 @@ def overfit_check(loss_values: Sequence[float], ratio: float = OVERFIT_LOSS_RATI
     """Whether the loss on a handful of images fell to `ratio` of where it began: a pipeline whose
     data, labels or loss are broken cannot memorize even a few images."""
     if len(loss_values) < 2:
-        raise ValueError(_say("two_losses"))
+        raise ValueError(say("after_course.two_losses"))
     first, last = float(loss_values[0]), float(loss_values[-1])
     return {"first": first, "last": last, "ratio": last / first, "passed": last <= ratio * first}
 
@@ -108,11 +107,11 @@ def explain_result(result: dict, gt_json: Path | str) -> list[dict]:
     for field in RESULT_FIELDS:
         value = result[field]
         if field == "category_id":
-            value = f"{value} ({names[value] if value in names else _say('not_in_json')})"
+            value = f"{value} ({names[value] if value in names else say('after_course.not_in_json')})"
         elif field == "segmentation":
             mask = mask_utils.decode(value)
-            value = _say("mask", size=value["size"], counts=value["counts"][:16], pixels=int(mask.sum()))
-        rows.append({"field": field, "value": value, "meaning": _say(f"meaning_{field}")})
+            value = say("after_course.mask", size=value["size"], counts=value["counts"][:16], pixels=int(mask.sum()))
+        rows.append({"field": field, "value": value, "meaning": say(RESULT_FIELDS[field])})
     return rows
 
 
@@ -203,8 +202,8 @@ def weights_checks(model: torch.nn.Module, path: Path | str, num_classes: int) -
     kept = [k for k in own if k.startswith(("backbone.", "rpn.")) and not k.endswith("num_batches_tracked")]
     norms = [m for m in model.modules() if isinstance(m, (torch.nn.BatchNorm2d, FrozenBatchNorm2d))]
     scores = "roi_heads.box_predictor.cls_score.weight"
-    return {_say("weights_kept"): all(torch.equal(own[k], source[k]) for k in kept),
-            _say("weights_classes", classes=num_classes, file=source[scores].shape[0]):
+    return {say("after_course.weights_kept"): all(torch.equal(own[k], source[k]) for k in kept),
+            say("after_course.weights_classes", classes=num_classes, file=source[scores].shape[0]):
                 own[scores].shape[0] == num_classes,
-            _say("weights_frozen"): bool(norms) and all(isinstance(m, FrozenBatchNorm2d) for m in norms)}
+            say("after_course.weights_frozen"): bool(norms) and all(isinstance(m, FrozenBatchNorm2d) for m in norms)}
 

@@ -31,6 +31,7 @@ from . import wording
 from .machine import environment_report
 from .proofs import TinyDetector, toy_batches
 from .rig import build_rig, synthetic_batches
+from .wording import say
 
 _PROBE = """import json, os, sys
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -195,22 +196,22 @@ def stack_today(report: list[dict] | None = None) -> list[dict]:
                                             if Path(sys.executable).with_name("torchrun").exists() else None)
     try:
         import cv2  # noqa: F401  (only to say whether it is there)
-        opencv = _say("installed_unused")
+        opencv = say("article.installed_unused")
     except ImportError:
-        opencv = _say("not_installed")
-    rows = [("pytorch", have.get("PyTorch / torchvision", "")),
-            ("cuda", _say("cuda_here", cuda=have.get(CUDA_ROW, ""), gpus=have.get("GPUs", ""))),
-            ("nccl", _say("nccl_here", nccl=have.get("NCCL", ""), backends=have.get("distributed backends", ""))),
-            ("launch", f"torchrun: `{torchrun}`" if torchrun else _say("no_torchrun")),
-            ("opencv", f"OpenCV {opencv}"),
-            ("numpy", _say("numpy_here", numpy=_version("numpy"), pillow=_version("pillow"),
-                           python=have.get("Python", "")))]
-    return [{"the article": _say(f"{name}_article"), "today": _say(f"{name}_today"), "this machine": here}
-            for name, here in rows]
-
-
-def _say(entry: str, **values) -> str:
-    return wording.say(f"article.{entry}", **values)
+        opencv = say("article.not_installed")
+    rows = [("article.pytorch_article", "article.pytorch_today", have.get("PyTorch / torchvision", "")),
+            ("article.cuda_article", "article.cuda_today",
+             say("article.cuda_here", cuda=have.get(CUDA_ROW, ""), gpus=have.get("GPUs", ""))),
+            ("article.nccl_article", "article.nccl_today",
+             say("article.nccl_here", nccl=have.get("NCCL", ""), backends=have.get("distributed backends", ""))),
+            ("article.launch_article", "article.launch_today",
+             f"torchrun: `{torchrun}`" if torchrun else say("article.no_torchrun")),
+            ("article.opencv_article", "article.opencv_today", f"OpenCV {opencv}"),
+            ("article.numpy_article", "article.numpy_today",
+             say("article.numpy_here", numpy=_version("numpy"), pillow=_version("pillow"),
+                         python=have.get("Python", "")))]
+    return [{"the article": say(then), "today": say(now), "this machine": here}
+            for then, now, here in rows]
 
 
 #: torchvision's detection reference for Mask R-CNN R50-FPN (references/detection), quoted: its README's
@@ -233,17 +234,17 @@ def reference_recipe() -> list[dict]:
     cfg = make_config("gpu-r50")
     term = wording.term
     mine = {
-        "backbone at the start": _say("local_file", path=cfg.weights_backbone) if cfg.weights_backbone else
-        _say("from_scratch"),
+        "backbone at the start": say("article.local_file", path=cfg.weights_backbone) if cfg.weights_backbone else
+        say("article.from_scratch"),
         "normalization": term({"gn": "GroupNorm", "frozen": "frozen BatchNorm", "bn": "BatchNorm"}[cfg.norm]),
         "epochs": cfg.epochs, "images per GPU": cfg.batch_size,
         "lr for 16 images": round(cfg.lr * lr_scale(cfg, 16), 6), "momentum": cfg.momentum,
-        "weight decay": _say("decay_on_weights", decay=cfg.weight_decay),
-        "warm-up": _say("steps", steps=cfg.warmup_steps),
+        "weight decay": say("article.decay_on_weights", decay=cfg.weight_decay),
+        "warm-up": say("article.steps", steps=cfg.warmup_steps),
         "lr decay": term("x0.1 at 16/26 and 22/26" if cfg.lr_decay == "steps" else cfg.lr_decay),
-        "aspect-ratio grouping": _say("factor", factor=cfg.aspect_ratio_group_factor)
+        "aspect-ratio grouping": say("article.factor", factor=cfg.aspect_ratio_group_factor)
         if cfg.aspect_ratio_group_factor > 0 else term("off"), "AMP": term("on" if cfg.amp else "off"),
-        "DataLoader workers per process": _say("workers_rule") if cfg.workers is None else cfg.workers,
+        "DataLoader workers per process": say("article.workers_rule") if cfg.workers is None else cfg.workers,
     }
     quote = {name: term(value) if isinstance(value, str) else value for name, value in TORCHVISION_REFERENCE.items()}
     return [{"setting": term(name), "torchvision's reference (quoted)": quoted, "gpu-r50": mine[name],
@@ -255,4 +256,4 @@ def _version(package: str) -> str:
     try:
         return version(package)
     except PackageNotFoundError:
-        return _say("not_installed")
+        return say("article.not_installed")

@@ -35,10 +35,9 @@ from .. import distributed as du
 from ..config import Config, default_preset, make_config
 from . import wording
 from .bench import markdown_table
-from .bench.shown import english, shown, shown_rows
 from .machine import hardware, hardware_label
 from .rig import shapes_config, shapes_dataset
-from .wording import say, term
+from .wording import english, say, shown, shown_rows, term
 
 #: `book/results/`: results measured on other machines, read by both editions' chapters wherever they run.
 RESULTS = Path(__file__).resolve().parents[2] / "book" / "results"

@@ -19,6 +19,7 @@ from .. import distributed as du
 from . import wording
 from .gpus import GPUSampler, gpu_name
 from .machine import device_memory_mb
+from .wording import say
 
 #: The article's healthy ranges (「モニタリングとベンチマーク分析」).
 HEALTHY_GPU_UTIL = (70.0, 90.0)
@@ -68,41 +69,39 @@ def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,
         raise ValueError("health_advice needs at least one metric row (train a few steps first)")
     report = HealthReport()
     if isinstance(gpus, GPUSampler):
-        unavailable = gpus.reason or _say("no_samples_yet")
+        unavailable = gpus.reason or say("health.no_samples_yet")
         gpus = gpus.summary()
     else:
-        unavailable = _say("no_samples_given")
+        unavailable = say("health.no_samples_given")
     low, high = HEALTHY_GPU_UTIL
     if not gpus:
         report.checks.append(HealthCheck(wording.term("GPU utilization"), None,
-                                         _say("gpu_unmeasured", unavailable=unavailable, low=low)))
+                                         say("health.gpu_unmeasured", unavailable=unavailable, low=low)))
     for gpu in gpus or []:
         util = gpu["util_mean"]
-        advice = _say("gpu_waits" if util < low else "gpu_busy" if util > high else "gpu_few_gaps")
-        report.checks.append(HealthCheck(_say("gpu_name", gpu=gpu_name(gpu)), util >= low,
-                                         _say("gpu_util", util=util, low=low, advice=advice)))
+        advice = say("health.gpu_waits" if util < low else "health.gpu_busy" if util > high else "health.gpu_few_gaps")
+        report.checks.append(HealthCheck(say("health.gpu_name", gpu=gpu_name(gpu)), util >= low,
+                                         say("health.gpu_util", util=util, low=low, advice=advice)))
     data, compute = _median(rows, "data_time"), statistics.median(r["iter_time"] - r["data_time"] for r in rows)
-    message = _say("data_keeps_up" if data < compute else "data_starves", data=data * 1000, compute=compute * 1000,
+    message = say("health.data_keeps_up" if data < compute else "health.data_starves", data=data * 1000, compute=compute * 1000,
                    share=100 * data / max(compute, 1e-9))
     report.checks.append(HealthCheck(wording.term("data time < compute time"), data < compute, message))
     peak = max(row["max_mem_mb"] for row in rows)
     total = total_memory_mb or (min(g["mem_total_mb"] for g in gpus) if gpus else None) \
         or device_memory_mb(du.info().device)
     used = peak / total if total else None
-    kind = _say("allocator_peak" if gpus else "peak")
-    seen = _say("seen", kind=kind, peak=peak, total=total) if total else _say("seen_no_total", peak=peak)
+    kind = say("health.allocator_peak" if gpus else "health.peak")
+    seen = say("health.seen", kind=kind, peak=peak, total=total) if total else say("health.seen_no_total", peak=peak)
     if gpus:
         fullest = max(gpus, key=lambda g: g["mem_used_max_mb"] / g["mem_total_mb"])
-        seen += _say("nvidia_smi", gpu=gpu_name(fullest), mib=fullest["mem_used_max_mb"])
-    name = _say("memory_name", share=100 * MAX_MEMORY_FRACTION)
+        seen += say("health.nvidia_smi", gpu=gpu_name(fullest), mib=fullest["mem_used_max_mb"])
+    name = say("health.memory_name", share=100 * MAX_MEMORY_FRACTION)
     if used is None:
-        report.checks.append(HealthCheck(name, None, _say("memory_total_unknown", seen=seen)))
+        report.checks.append(HealthCheck(name, None, say("health.memory_total_unknown", seen=seen)))
     else:
         fits = used < MAX_MEMORY_FRACTION
-        report.checks.append(HealthCheck(name, fits, _say("memory_room" if fits else "memory_full", seen=seen,
+        report.checks.append(HealthCheck(name, fits, say("health.memory_room" if fits else "health.memory_full", seen=seen,
                                                           used=used)))
     return report
 
 
-def _say(entry: str, **values) -> str:
-    return wording.say(f"health.{entry}", **values)

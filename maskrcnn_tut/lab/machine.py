@@ -1,13 +1,14 @@
 """This machine in words, for results and chapter 2: what it is, its software, where a figure came from.
 
-- `hardware()` / `hardware_label()`: CPU, usable cores, RAM, GPUs; a short name for plot titles.
+- `hardware()` / `hardware_label()` / `recorded_hardware_label()`: CPU, usable cores, RAM, GPUs; a short
+  name for plot titles, and the one a result records.
 - `versions()`, `provenance(command)`: the software stack, and what every results file records
   (hardware, versions, date, command).
 - `environment_report()`: chapter 2's table (interconnect included, read through `gpus`).
 
 Labels and table values are in the book's language (`wording`); what a results file or the bench
-cache records (`provenance`, worded inside `wording.speaking("en")`) is English, so both editions
-share one cache and one file format.
+cache records (`provenance`) keeps its one sentence, the CPU's label, as its catalog key and values
+(`wording.english`), so both editions share one cache and one file format.
 """
 from __future__ import annotations
 
@@ -46,11 +47,17 @@ def hardware() -> dict[str, Any]:
 
 
 def hardware_label() -> str:
-    """A short name of this machine for plot titles: '4x NVIDIA A100-SXM4-80GB' or '2-core AMD EPYC (no GPU)'."""
+    """A short name of this machine for plot titles, in the book's language."""
+    return wording.shown(recorded_hardware_label())
+
+
+def recorded_hardware_label() -> str:
+    """The name a result records: '4x NVIDIA A100-SXM4-80GB', or '2-core AMD EPYC (no GPU)' kept as its
+    catalog key and values (`wording.Said`), so each edition words it."""
     hw = hardware()
     if hw["gpus"]:
         return " + ".join(f"{hw['gpus'].count(n)}x {n}" for n in sorted(set(hw["gpus"])))
-    return _say("label_cpu", cores=hw["cores"], cpu=hw["cpu"])
+    return wording.english("machine.label_cpu", cores=hw["cores"], cpu=hw["cpu"])
 
 
 def cudnn_version() -> str:
@@ -72,12 +79,11 @@ def versions() -> dict[str, str | None]:
 def provenance(command: str) -> dict[str, Any]:
     """Where and how a result was measured: hardware, software versions, date and command (in English)."""
     hw = hardware()
-    with wording.speaking("en"):  # recorded, not shown
-        return {"hardware": hardware_label(), "cpu": hw["cpu"], "cores": hw["cores"], "ram_gb": hw["ram_gb"],
-                "gpus": hw["gpus"], "gpu_count": len(hw["gpus"]), "gpu_memory_gb": hw["gpu_memory_gb"],
-                "cpu_bf16": cpu_has_bf16(), **versions(),
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": command}
+    return {"hardware": recorded_hardware_label(), "cpu": hw["cpu"], "cores": hw["cores"], "ram_gb": hw["ram_gb"],
+            "gpus": hw["gpus"], "gpu_count": len(hw["gpus"]), "gpu_memory_gb": hw["gpu_memory_gb"],
+            "cpu_bf16": cpu_has_bf16(), **versions(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command}
 
 
 def environment_report() -> list[dict[str, str]]:

@@ -35,20 +35,17 @@ from ..hardware import peak_memory_mb
 from ..model import build_model
 from .bench.harness import environment
 from .bench.results import BenchResult, python_call, register_plot
-from .bench.shown import english, register_catalog, shown
 from .gpus import releases_gpu_cache
 from .machine import current_memory_mb, provenance, reset_peak_memory
 from .rig import Rig, build_rig, synthetic_batches
 from .synthetic import synthetic_batch
-from .wording import term
+from .wording import english, shown, term
 
 MIB = 2**20
 #: The GPU the article recommends (RTX 2080 Ti, 11 GB): the default line in `memory_table`'s plot.
 ARTICLE_GPU_GB = 11.0
 #: Keep tensors above 64 KiB out of glibc's heap so a CPU process's RSS follows its live tensors.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-#: Titles and notes are stored in English (`english`) and shown in the book's language (`shown`).
-register_catalog("memory")
 
 
 @dataclass
@@ -210,7 +207,7 @@ def memory_table(preset: str = "gpu-r50", image_sizes: tuple[int, ...] = (256, 5
     result = BenchResult("memory", english("memory.title_table", backbone=cfg.backbone), rows,
                          ["image size", "batch", "parameters MiB", "gradients MiB", "optimizer MiB",
                           "activations MiB", "total MiB", "fits", "activations"], notes,
-                         provenance(python_call("memory.memory_table", preset=preset, image_sizes=image_sizes,
+                         provenance(python_call("lab.memory.memory_table", preset=preset, image_sizes=image_sizes,
                                                 batch_sizes=batch_sizes, measure_sizes=measure_sizes,
                                                 gpu_memory_gb=gpu_memory_gb)))
     result.provenance["gpu_memory_gb_compared"] = gpu_memory_gb
@@ -338,7 +335,7 @@ def bytes_per_parameter(preset: str = "gpu-r50", image_size: int = 96,
     columns = ["recipe", "weights B", "gradients B", "optimizer state B", "fixed B/param", "derived MiB",
                "measured MiB", "as derived", "gradient dtype", "autocast"]
     result = BenchResult("bytes_per_parameter", english("memory.title_bytes", backbone=base.backbone),
-                         rows, columns, notes, provenance(python_call("memory.bytes_per_parameter", preset=preset,
+                         rows, columns, notes, provenance(python_call("lab.memory.bytes_per_parameter", preset=preset,
                                                                        image_size=image_size)))
     result.provenance["parameters"] = count
     return result

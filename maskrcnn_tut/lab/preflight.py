@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from maskrcnn_tut.lab import processes, wording
+from maskrcnn_tut.lab.wording import say
 
 from .. import distributed as du
 from ..hardware import gpu_count
@@ -44,14 +45,21 @@ MIN_SHM_MB = 1024
 #: Docker's default /dev/shm.
 DOCKER_DEFAULT_SHM_MB = 64
 
-#: What each does and when to use it: entries `does_<NAME>` and `when_<NAME>` of `prose/preflight.json`.
-NCCL_VARIABLES = ["NCCL_DEBUG=INFO", "NCCL_SOCKET_IFNAME=eth0", "NCCL_IB_DISABLE=1", "NCCL_P2P_DISABLE=1",
-                  "TORCH_NCCL_ASYNC_ERROR_HANDLING=3", "TORCH_NCCL_BLOCKING_WAIT=1",
-                  "TORCH_NCCL_TRACE_BUFFER_SIZE=2000", "TORCH_NCCL_DESYNC_DEBUG=1", "TORCH_DISTRIBUTED_DEBUG=DETAIL"]
-
-
-def _say(entry: str, **values) -> str:
-    return wording.say(f"preflight.{entry}", **values)
+#: Each variable with the catalog keys of what it does and when to set it.
+NCCL_VARIABLES = {
+    "NCCL_DEBUG=INFO": ("preflight.does_NCCL_DEBUG", "preflight.when_NCCL_DEBUG"),
+    "NCCL_SOCKET_IFNAME=eth0": ("preflight.does_NCCL_SOCKET_IFNAME", "preflight.when_NCCL_SOCKET_IFNAME"),
+    "NCCL_IB_DISABLE=1": ("preflight.does_NCCL_IB_DISABLE", "preflight.when_NCCL_IB_DISABLE"),
+    "NCCL_P2P_DISABLE=1": ("preflight.does_NCCL_P2P_DISABLE", "preflight.when_NCCL_P2P_DISABLE"),
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING=3": ("preflight.does_TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                          "preflight.when_TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+    "TORCH_NCCL_BLOCKING_WAIT=1": ("preflight.does_TORCH_NCCL_BLOCKING_WAIT", "preflight.when_TORCH_NCCL_BLOCKING_WAIT"),
+    "TORCH_NCCL_TRACE_BUFFER_SIZE=2000": ("preflight.does_TORCH_NCCL_TRACE_BUFFER_SIZE",
+                                          "preflight.when_TORCH_NCCL_TRACE_BUFFER_SIZE"),
+    "TORCH_NCCL_DESYNC_DEBUG=1": ("preflight.does_TORCH_NCCL_DESYNC_DEBUG", "preflight.when_TORCH_NCCL_DESYNC_DEBUG"),
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL": ("preflight.does_TORCH_DISTRIBUTED_DEBUG",
+                                       "preflight.when_TORCH_DISTRIBUTED_DEBUG"),
+}
 
 
 # --------------------------------------------------------------------------- /dev/shm
@@ -63,17 +71,17 @@ def shm_report(path: str | Path = "/dev/shm") -> dict:
         stats = os.statvfs(path)
     except OSError as err:
         return {"path": str(path), "ok": None, "total MiB": None, "free MiB": None,
-                "finding": _say("shm_missing", path=path, error=err.strerror), "fix": shm_fix()}
+                "finding": say("preflight.shm_missing", path=path, error=err.strerror), "fix": shm_fix()}
     total, free = stats.f_blocks * stats.f_frsize / 2**20, stats.f_bavail * stats.f_frsize / 2**20
     ok = total >= MIN_SHM_MB
-    finding = _say("shm_size", path=path, total=total, free=free) + (
-        "" if ok else _say("shm_too_small", docker=DOCKER_DEFAULT_SHM_MB))
+    finding = say("preflight.shm_size", path=path, total=total, free=free) + (
+        "" if ok else say("preflight.shm_too_small", docker=DOCKER_DEFAULT_SHM_MB))
     return {"path": str(path), "ok": ok, "total MiB": total, "free MiB": free, "finding": finding,
             "fix": "" if ok else shm_fix()}
 
 
 def shm_fix() -> str:
-    return _say("shm_fix")
+    return say("preflight.shm_fix")
 
 
 def shm_needed_mb(batch_mb: float, workers: int, prefetch_factor: int = 2, processes: int = 1) -> float:
@@ -86,9 +94,8 @@ def nccl_environment(environ: dict | None = None) -> list[dict]:
     """`NCCL_VARIABLES`, what each does and when to use it, and the value each has in this process
     (or `environ`), "" when unset."""
     environ = os.environ if environ is None else environ
-    return [{"variable": variable, "what it does": _say(f"does_{variable.split('=')[0]}"),
-             "when": _say(f"when_{variable.split('=')[0]}"), "set here": environ.get(variable.split("=")[0], "")}
-            for variable in NCCL_VARIABLES]
+    return [{"variable": variable, "what it does": say(does), "when": say(when),
+             "set here": environ.get(variable.split("=")[0], "")} for variable, (does, when) in NCCL_VARIABLES.items()]
 
 
 # --------------------------------------------------------------------------- the checks together
@@ -105,20 +112,20 @@ def preflight(nprocs: int | None = None, sizes_mb: tuple[float, ...] = (1.0, 16.
     checks = [{"check": "/dev/shm", "ok": shm["ok"], "finding": shm["finding"], "what to do": shm["fix"]}]
     set_here = [row["variable"].split("=")[0] + "=" + row["set here"] for row in nccl_environment() if row["set here"]]
     checks.append({"check": wording.term("NCCL / torch variables"), "ok": True,
-                   "finding": ", ".join(set_here) or _say("none_set"), "what to do": _say("debug_first")})
+                   "finding": ", ".join(set_here) or say("preflight.none_set"), "what to do": say("preflight.debug_first")})
     bandwidth = processes.launch(allreduce_bandwidth, nprocs, sizes_mb, backend=backend, timeout_s=120)
     top = max(bandwidth, key=lambda row: row["MB"])
-    checks.append({"check": _say("allreduce_check", processes=nprocs, backend=top["backend"]), "ok": True,
-                   "finding": _say("allreduce_finding", mb=top["MB"], ms=top["ms"], bandwidth=top["bus GB/s"]),
-                   "what to do": _say("allreduce_advice")})
+    checks.append({"check": say("preflight.allreduce_check", processes=nprocs, backend=top["backend"]), "ok": True,
+                   "finding": say("preflight.allreduce_finding", mb=top["MB"], ms=top["ms"], bandwidth=top["bus GB/s"]),
+                   "what to do": say("preflight.allreduce_advice")})
     health = gpu_health()
     if health:
         bad = [row for row in health if not row["ok"]]
-        checks.append({"check": _say("gpus_check", gpus=len(health)), "ok": not bad,
-                       "finding": "; ".join(f"GPU {r['gpu']}: {r['finding']}" for r in bad) or _say("all_healthy"),
-                       "what to do": "" if not bad else _say("move_off")})
+        checks.append({"check": say("preflight.gpus_check", gpus=len(health)), "ok": not bad,
+                       "finding": "; ".join(f"GPU {r['gpu']}: {r['finding']}" for r in bad) or say("preflight.all_healthy"),
+                       "what to do": "" if not bad else say("preflight.move_off")})
     else:
-        checks.append({"check": wording.term("GPUs"), "ok": None, "finding": _say("no_gpu"), "what to do": ""})
+        checks.append({"check": wording.term("GPUs"), "ok": None, "finding": say("preflight.no_gpu"), "what to do": ""})
     return checks, bandwidth, health
 
 
@@ -264,8 +271,8 @@ def hang_summary(diagnosis: dict) -> list[str]:
     lines = []
     for rank in diagnosis["ranks"]:
         if rank["waiting in a collective"]:
-            lines.append(_say("victim", rank=rank["rank"], collective=rank["collective"], function=rank["function"],
+            lines.append(say("preflight.victim", rank=rank["rank"], collective=rank["collective"], function=rank["function"],
                               file=rank["file"]))
         else:
-            lines.append(_say("culprit", rank=rank["rank"], function=rank["function"], file=rank["file"]))
+            lines.append(say("preflight.culprit", rank=rank["rank"], function=rank["function"], file=rank["file"]))
     return lines

@@ -25,8 +25,7 @@ from . import wording
 from .bench import interval, machine_busy, spread_text
 from .bench.projection import devices_used
 from .bench.results import row_label
-from .bench.shown import shown
-from .wording import FASTER, NO_SPREAD, SLOWER, WITHIN_NOISE
+from .wording import FASTER, NO_SPREAD, SLOWER, WITHIN_NOISE, say, shown
 
 #: The verdict of a scaling figure measured while other work kept the machine busy.
 BUSY = "busy"
@@ -135,24 +134,22 @@ def straggler_words(found: dict, balanced: dict, threshold: float, processes: in
     needed = straggler_answer(1, threshold, processes)["needed"]
     ratio = found["forward ratio"]
     if not found["warned"]:
-        said = _say("straggler_quiet", ratio=ratio, processes=processes, needed=needed)
+        said = say("scale_findings.straggler_quiet", ratio=ratio, processes=processes, needed=needed)
     else:
-        said = _say("straggler_both" if found["balanced warned"] else "straggler_named", even=even, ratio=ratio)
+        said = say("scale_findings.straggler_both" if found["balanced warned"] else "scale_findings.straggler_named",
+                   even=even, ratio=ratio)
     if processes == 2:
-        said += _say("straggler_two", needed=needed, threshold=threshold)
+        said += say("scale_findings.straggler_two", needed=needed, threshold=threshold)
     if gpus in (0, 1):
-        said += _say("straggler_cpu" if gpus == 0 else "straggler_one_gpu")
+        said += say("scale_findings.straggler_cpu" if gpus == 0 else "scale_findings.straggler_one_gpu")
     return said
 
 
 def no_sync_check_words(gpus: int) -> str:
     """Where chapter 7's two-process `no_sync` check ran (`proofs.ddp_accumulation_check` puts its toy
     model on each process's device, rank r on GPU r % gpus, and the chapter asks for gloo)."""
-    return _say("no_sync_cpu" if gpus == 0 else "no_sync_one_gpu" if gpus == 1 else "no_sync_gpus")
-
-
-def _say(entry: str, **values) -> str:
-    return wording.say(f"scale_findings.{entry}", **values)
+    return say("scale_findings.no_sync_cpu" if gpus == 0 else "scale_findings.no_sync_one_gpu" if gpus == 1
+               else "scale_findings.no_sync_gpus")
 
 
 def _pct(value: float) -> str:
@@ -173,42 +170,43 @@ def table_verdicts(speed) -> dict[str, str]:
         return WITHIN_NOISE if out["busy"] and found != NO_SPREAD else found
 
     if ddp is None:
-        out["result"] = _say("no_ddp")
+        out["result"] = say("scale_findings.no_ddp")
     else:
-        out["result"] = _say("result", ddp=shown(ddp["setup"]), speed=spread_text(ddp), base=shown(base["setup"]),
+        out["result"] = say("scale_findings.result", ddp=shown(ddp["setup"]), speed=spread_text(ddp), base=shown(base["setup"]),
                              efficiency=_pct(ddp["scaling efficiency"]))
         n = devices_used(ddp)
         if wording.compare_to(ddp, 1.0).verdict == WITHIN_NOISE:
-            out["result"] += _say("includes_one", within=wording.words(WITHIN_NOISE))
+            out["result"] += say("scale_findings.includes_one", within=wording.words(WITHIN_NOISE))
         elif (wording.compare_to(ddp, float(n)).verdict == FASTER
               or (interval(ddp, "speedup") is None and ddp["speedup"] > 1.02 * n)):
-            out["result"] += _say("superlinear", n=n)
+            out["result"] += say("scale_findings.superlinear", n=n)
     if out["busy"]:
-        out["result"] = (out["result"] + _say("sep") + shown(out["busy"])).strip()
+        out["result"] = (out["result"] + say("scale_findings.sep") + shown(out["busy"])).strip()
     ceiling = speed.row(f"{devices_used(ddp)} processes without") if ddp else None
     if ddp and ceiling:
         gap = _pct(1 - ddp["img/s"] / ceiling["img/s"])
-        out["allreduce"] = _say("allreduce", speed=spread_text(ceiling)) + wording.pick(
-            verdict(ddp, ceiling), within_noise=_say("allreduce_busy") if out["busy"] else
-            _say("allreduce_within_noise", noise=wording.noise()), slower=_say("allreduce_slower", gap=gap),
-            faster=_say("allreduce_faster"), no_spread=_say("allreduce_no_spread", gap=gap))
+        out["allreduce"] = say("scale_findings.allreduce", speed=spread_text(ceiling)) + wording.pick(
+            verdict(ddp, ceiling), within_noise=say("scale_findings.allreduce_busy") if out["busy"] else
+            say("scale_findings.allreduce_within_noise", noise=wording.noise()), slower=say("scale_findings.allreduce_slower", gap=gap),
+            faster=say("scale_findings.allreduce_faster"), no_spread=say("scale_findings.allreduce_no_spread", gap=gap))
     threads = [row for row in measured if (row.get("threads/process") or 0) > (base.get("threads/process") or 0)
                and row.get("processes") == 1]
     if ddp and threads:
         other = max(threads, key=lambda row: row["threads/process"])
-        out["threads"] = _say("threads", threads=other["threads/process"], speed=spread_text(other)) + wording.pick(
-            verdict(ddp, other), faster=_say("threads_faster"), slower=_say("threads_slower"),
-            within_noise=_say("threads_within_noise", words=wording.words(WITHIN_NOISE, "DDP")),
-            no_spread=_say("threads_no_spread"))
+        out["threads"] = say("scale_findings.threads", threads=other["threads/process"], speed=spread_text(other)) + wording.pick(
+            verdict(ddp, other), faster=say("scale_findings.threads_faster"), slower=say("scale_findings.threads_slower"),
+            within_noise=say("scale_findings.threads_within_noise", words=wording.words(WITHIN_NOISE, "DDP")),
+            no_spread=say("scale_findings.threads_no_spread"))
     dp = speed.row("DP")
     if dp is None:
         unmeasured = next((row for row in speed.rows if row_label(row).startswith("DP")), None)
         note = (unmeasured or {}).get("note")
-        out["dp"] = _say("no_dp", note=_say("dp_not_measured") if note is None else shown(note))
+        out["dp"] = say("scale_findings.no_dp", note=say("scale_findings.dp_not_measured") if note is None else shown(note))
     elif ddp:
-        out["dp"] = _say("dp", devices=devices_used(ddp), dp=spread_text(dp), ddp=spread_text(ddp)) + wording.pick(
-            verdict(ddp, dp), faster=_say("dp_faster"), slower=_say("dp_slower"),
-            within_noise=_say("dp_within_noise", noise=wording.noise()), no_spread=_say("dp_no_spread"))
-    out["memory"] = _say("memory_sep").join(_say("memory", setup=shown(row["setup"]), device=row["peak MiB/device"],
-                                                 total=row["total MiB"]) for row in measured)
+        out["dp"] = say("scale_findings.dp", devices=devices_used(ddp), dp=spread_text(dp), ddp=spread_text(ddp)) + wording.pick(
+            verdict(ddp, dp), faster=say("scale_findings.dp_faster"), slower=say("scale_findings.dp_slower"),
+            within_noise=say("scale_findings.dp_within_noise", noise=wording.noise()), no_spread=say("scale_findings.dp_no_spread"))
+    out["memory"] = say("scale_findings.memory_sep").join(
+        say("scale_findings.memory", setup=shown(row["setup"]), device=row["peak MiB/device"], total=row["total MiB"])
+        for row in measured)
     return out

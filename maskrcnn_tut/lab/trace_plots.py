@@ -11,9 +11,8 @@ Titles, labels and lanes are in the book's language (`wording`).
 """
 from __future__ import annotations
 
-from .bench.shown import shown
 from .traces import DATA, FORWARD, NO_SYNC_ACCUM, SMALL_BUCKET_MB, STEP, DDPTrace
-from .wording import say, term
+from .wording import say, shown, term
 
 COLORS = {"data": "tab:orange", "forward": "tab:blue", "backward": "tab:green", "optimizer": "tab:purple",
           "waiting for gradients": "lightgray", "all-reduce": "tab:red"}

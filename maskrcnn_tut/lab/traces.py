@@ -51,6 +51,9 @@ SMALL_BUCKET_MB = 25.0
 #: Micro-batches per optimizer step of the no_sync phase (the same images per step as the others).
 NO_SYNC_ACCUM = 2
 PHASES = ("single", "ddp", "ddp_small_buckets", "ddp_no_sync")
+#: Each phase's name in the tables: its catalog key.
+PHASE_NAMES = {"single": "traces.run_single", "ddp": "traces.run_ddp", "ddp_small_buckets": "traces.run_ddp_small_buckets",
+               "ddp_no_sync": "traces.run_ddp_no_sync"}
 STEP, FORWARD, DATA = "train_step", "forward", "data: next batch"
 #: The phase whose every event a trace keeps, as the Perfetto file (`save_trace`).
 SAVED_PHASE = "ddp"
@@ -285,7 +288,7 @@ class DDPTrace:
                 "all-reduce during backward ms"]
         table = []
         for phase in PHASES:
-            name = wording.say(f"traces.run_{phase}", preset_mb=self.bucket_cap_mb, small_mb=SMALL_BUCKET_MB,
+            name = wording.say(PHASE_NAMES[phase], preset_mb=self.bucket_cap_mb, small_mb=SMALL_BUCKET_MB,
                                micro=NO_SYNC_ACCUM)
             row = {"run": name, "all-reduces": self.rows(phase)[0]["gradient all-reduces"]}
             for key in keys:

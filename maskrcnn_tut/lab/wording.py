@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import string
 import threading
@@ -31,6 +32,9 @@ from pathlib import Path
 
 LANGUAGES = ("en", "ja")
 PROSE_DIR = Path(__file__).with_name("prose")
+#: Each chapter's own sentences, beside the chapters (a checkout's `book/`): one file per chapter and language.
+CHAPTER_PROSE = {"en": Path(__file__).resolve().parents[2] / "book" / "prose",
+                 "ja": Path(__file__).resolve().parents[2] / "book" / "ja" / "prose"}
 _current = {"lang": "en"}
 _this_thread = threading.local()  # a `speaking` block's language, for its thread only
 
@@ -93,17 +97,97 @@ def speaking(lang: str):
         _this_thread.lang = before
 
 
+def catalog_names() -> list[str]:
+    """Every catalog: the lab modules' (`prose/<module>.json`) and the chapters' (`book/prose/chNN.json`)."""
+    return sorted(path.stem for folder in (PROSE_DIR, CHAPTER_PROSE["en"]) for path in folder.glob("*.json"))
+
+
 @functools.cache
 def catalog(name: str) -> dict:
-    """The entries of `prose/<name>.json`, each {"en": template, "ja": template} (terms.json: English to Japanese)."""
-    return json.loads((PROSE_DIR / f"{name}.json").read_text(encoding="utf-8"))
+    """The entries of a catalog, each {"en": template, "ja": template} (terms.json: English to Japanese): a lab
+    module's `prose/<name>.json` holds both languages, a chapter's one file per language beside the chapters.
+    An entry the core words in English itself names it, `"en_from": "module.CONSTANT"`, so the sentence exists once."""
+    if (CHAPTER_PROSE["en"] / f"{name}.json").exists():
+        texts = {lang: json.loads((folder / f"{name}.json").read_text(encoding="utf-8"))
+                 for lang, folder in CHAPTER_PROSE.items()}
+        return {entry: {lang: texts[lang].get(entry) for lang in LANGUAGES} for entry in texts["en"]}
+    entries = json.loads((PROSE_DIR / f"{name}.json").read_text(encoding="utf-8"))
+    for entry in entries.values():
+        if isinstance(entry, dict) and "en_from" in entry:
+            module, _, constant = entry.pop("en_from").rpartition(".")
+            entry["en"] = getattr(importlib.import_module(module), constant)
+    return entries
 
 
 def say(key: str, **values) -> str:
-    """The text of `key` ("ch04.scatter": entry "scatter" of prose/ch04.json) in the book's language,
+    """The text of `key` ("ch04.scatter_all": entry "scatter_all" of book/prose/ch04.json) in the book's language,
     its `{placeholders}` filled from `values` with `str.format`."""
     name, _, entry = key.partition(".")
     return catalog(name)[entry][language()].format(**values)
+
+
+class Said(str):
+    """A sentence kept as its catalog key and values: it reads (and prints, and is compared) as its
+    English text, which is what a results file or the shell shows, and `shown` words it again in the
+    book's language from the key. `english` gives the English where the core wrote it (a warning the
+    core words itself, whose catalog entry holds the other languages only)."""
+
+    def __new__(cls, key: str, values: dict | None = None, english: str | None = None):
+        values = dict(values or {})
+        if english is None:
+            name, _, entry = key.partition(".")
+            english = catalog(name)[entry]["en"].format(**values)
+        said = super().__new__(cls, english)
+        said.key, said.values = key, values
+        return said
+
+    def __getnewargs__(self):
+        return self.key, self.values, str(self)
+
+
+def english(key: str, /, **values) -> Said:
+    """What is recorded of `key` ("bench.table_cpu") with `values`, whatever the book's language."""
+    return Said(key, values)
+
+
+def shown(value):
+    """A recorded value as the book shows it: a `Said` worded in the book's language (its values
+    shown in turn), a string through `term`; anything else as it is."""
+    if language() == "en":
+        return str(value) if isinstance(value, Said) else value
+    if isinstance(value, Said):
+        name, _, entry = value.key.partition(".")
+        return catalog(name)[entry][language()].format(**{k: shown(v) for k, v in value.values.items()})
+    return term(value) if isinstance(value, str) else value
+
+
+def shown_rows(rows, columns=None) -> tuple[list[dict], list[str]]:
+    """Rows and their columns as the book shows them: headers and text cells through `shown`."""
+    columns = list(columns or (rows[0] if rows else ()))
+    headers = [shown(column) for column in columns]
+    return [{header: shown(row.get(column)) for header, column in zip(headers, columns)} for row in rows], headers
+
+
+def to_json(value):
+    """`value` with every `Said` as {"said": key, "values": ..., "en": text}, for a JSON file."""
+    if isinstance(value, Said):
+        return {"said": value.key, "values": to_json(value.values), "en": str(value)}
+    if isinstance(value, dict):
+        return {key: to_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(item) for item in value]
+    return value
+
+
+def from_json(value):
+    """What `to_json` wrote, with its sentences as `Said` again."""
+    if isinstance(value, dict):
+        if value.keys() == {"said", "values", "en"}:
+            return Said(value["said"], from_json(value["values"]), value["en"])
+        return {key: from_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [from_json(item) for item in value]
+    return value
 
 
 def term(text: str) -> str:

@@ -5,7 +5,7 @@ import pytest
 
 from maskrcnn_tut.lab import scale_findings, speed_findings, wording
 from maskrcnn_tut.lab.bench import NO_DIFFERENCE, BenchResult
-from maskrcnn_tut.lab.wording import FASTER, NO_SPREAD, SLOWER, WITHIN_NOISE
+from maskrcnn_tut.lab.wording import FASTER, NO_SPREAD, SLOWER, WITHIN_NOISE, english
 
 
 def row(name: str, img_s: float, spread: float | None = 0.02, **more) -> dict:
@@ -291,11 +291,12 @@ def _measured(setup, speedup, devices, threads=None, processes=1):
 
 
 def _cpu_table(ddp_range, ceiling_range):
-    rows = [_spread(_measured("Single (1 process x 1 thread)", 1.0, 1, 1), 1.0, 1.0),
-            _spread(_measured("Single (1 process x 2 threads)", 1.3, 2, 2), 1.2, 1.4),
-            {"setup": "DP(2)", "processes": 1, "note": "DataParallel needs >= 2 GPUs; this machine has 0"},
-            _spread(_measured("DDP(2) (2 processes x 1 thread)", 1.8, 2, 1, 2), *ddp_range),
-            _spread(_measured("2 processes without gradient all-reduce", 1.9, 2, 1, 2), *ceiling_range)]
+    """The rows of `bench.table` on 2 CPU processes, labelled as the bench labels them."""
+    rows = [_spread(_measured(english("bench.single_thread", threads=1), 1.0, 1, 1), 1.0, 1.0),
+            _spread(_measured(english("bench.single_threads", threads=2), 1.3, 2, 2), 1.2, 1.4),
+            {"setup": "DP(2)", "processes": 1, "note": english("dataparallel.needs_gpus", gpus=0)},
+            _spread(_measured(english("bench.ddp_thread", n=2, threads=1), 1.8, 2, 1, 2), *ddp_range),
+            _spread(_measured(english("bench.without_allreduce", n=2), 1.9, 2, 1, 2), *ceiling_range)]
     return BenchResult("table", "t", rows, [], [], {})
 
 

@@ -13,8 +13,8 @@ import pytest
 from maskrcnn_tut.lab import book, dashboard, diagrams, timeline, trace_plots, wording
 from maskrcnn_tut.lab.bench import projection
 from maskrcnn_tut.lab.bench.results import BenchResult
-from maskrcnn_tut.lab.bench.shown import english
 from maskrcnn_tut.lab.traces import DATA, FORWARD, STEP, DDPTrace
+from maskrcnn_tut.lab.wording import english
 
 HARDWARE = {"cpu": "AMD EPYC 7B13", "cores": 2, "ram_gb": 7.8, "gpus": [], "gpu_memory_gb": []}
 #: Words that must not be left in a Japanese label (they are in the English ones).
@@ -113,7 +113,8 @@ def speed_table() -> BenchResult:
                      steps=12, warmup=2),
              english("bench.table_shared_cores", n=2, cores=2), english("bench.table_speedup")]
     return BenchResult("table", english("bench.table_title"), rows, ["setup", "processes", "img/s", "peak MiB/device",
-                       "speedup", "scaling efficiency", "note"], notes, {"hardware": "2-core AMD EPYC 7B13 (no GPU)"})
+                       "speedup", "scaling efficiency", "note"], notes,
+                       {"hardware": english("machine.label_cpu", cores=2, cpu="AMD EPYC 7B13")})
 
 
 def test_book_plots(both):

@@ -24,8 +24,7 @@ from maskrcnn_tut.lab import (
     wording,
 )
 from maskrcnn_tut.lab.bench import BenchResult
-from maskrcnn_tut.lab.bench.shown import english, shown
-from maskrcnn_tut.lab.wording import FASTER, SLOWER, WITHIN_NOISE
+from maskrcnn_tut.lab.wording import FASTER, SLOWER, WITHIN_NOISE, english, shown
 
 #: The lab modules whose prose is `wording.say("<module>.<entry>")` of prose/<module>.json.
 MODULES = ("hardware_prose", "scale_findings", "health", "preflight", "traces", "article", "dataparallel",
@@ -304,7 +303,7 @@ def test_every_catalog_has_both_languages_with_the_same_placeholders():
     catalogs = sorted(Path(wording.PROSE_DIR).glob("*.json"))
     assert {f"{module}.json" for module in MODULES} <= {path.name for path in catalogs}
     for path in catalogs:
-        entries = json.loads(path.read_text(encoding="utf-8"))
+        entries = wording.catalog(path.stem)
         if path.name.startswith("terms"):  # English -> Japanese, flat
             assert all(isinstance(k, str) and isinstance(v, str) and v for k, v in entries.items()), path.name
             continue
@@ -315,8 +314,8 @@ def test_every_catalog_has_both_languages_with_the_same_placeholders():
 
 
 def test_the_core_straggler_warning_is_shown_in_japanese(ja):
-    """monitor.StragglerCheck words its warning in English (the core has no wording); a chapter's
-    table shows it in Japanese through bench.json's `straggler_warning`, numbers unchanged."""
+    """monitor.StragglerCheck words its warning in English, once (the core has no wording), and keeps its
+    figures; a chapter's table words the same figures in Japanese through bench.json's entry."""
     from maskrcnn_tut.engine import StepRecord
     from maskrcnn_tut.monitor import StragglerCheck
 
@@ -324,7 +323,9 @@ def test_the_core_straggler_warning_is_shown_in_japanese(ja):
     for step in range(1, 4):
         check(StepRecord(step=step, epoch=0, lr=0.1, loss=1.0, terms={}, data_time=0.0, iter_time=1.0,
                          rank_forward_times=[0.1, 0.1, 0.16]))
-    warning = check.warnings[0]
-    assert shown(warning) == wording.say("bench.straggler_warning", slow=2, ratio="1.60", first=1, last=3,
-                                         slow_s="0.160", median_s="0.100")
-    assert_japanese("bench", warning, shown(warning), ("forward", "all-reduce", "distributedsampler", "cpu"))
+    stored = wording.Said("bench.straggler_warning", check.found[0], english=check.warnings[0])
+    assert str(stored) == check.warnings[0] and "rank 2 needed 1.60x" in stored
+    assert shown(stored) == wording.say("bench.straggler_warning", slow=2, ratio=1.6, first=1, last=3,
+                                        slow_s=0.16, median_s=0.1)
+    assert "1.60" in shown(stored) and "0.160" in shown(stored)
+    assert_japanese("bench", stored, shown(stored), ("forward", "all-reduce", "distributedsampler", "cpu"))

@@ -23,8 +23,8 @@ from pathlib import Path
 from ...errors import BenchError
 from ...monitor import read_jsonl
 from ..machine import provenance
+from ..wording import english
 from .results import BenchResult, python_call
-from .shown import english
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"
 #: The fast path's flags; batches of one orientation each (group factor 0), or fixed shapes pad mixed
@@ -58,8 +58,8 @@ def time_to_accuracy(metric: str = "segm_AP50", target: float = 0.90, eval_every
         raise BenchError(f"--eval-every {eval_every} must be a multiple of the print frequency {print_freq}, "
                          "so that every evaluation falls at the end of a logged window")
     variants = variants or {"eager": (), english("bench.fast_path_variant", flags=" ".join(FAST_PATH)): FAST_PATH}
-    first_eval, final, by_eval = (english(f"bench.tta_{column}", metric=metric, target=target)
-                                  for column in ("first_eval", "final", "by_eval"))
+    first_eval, final, by_eval = (english(key, metric=metric, target=target)
+                                  for key in ("bench.tta_first_eval", "bench.tta_final", "bench.tta_by_eval"))
     rows = []
     with tempfile.TemporaryDirectory(prefix="time-to-accuracy-") as work:
         for name, flags in variants.items():
@@ -93,7 +93,7 @@ def time_to_accuracy(metric: str = "segm_AP50", target: float = 0.90, eval_every
     job = f"torchrun --nproc_per_node={nprocs} maskrcnn_tut/train.py" + (" " + " ".join(extra_flags) if extra_flags else "")
     notes = [english("bench.tta_job", job=job, every=eval_every), english("bench.tta_seconds", every=eval_every),
              english("bench.tta_compiling")]
-    command = python_call("bench.accuracy.time_to_accuracy", metric=metric, target=target, eval_every=eval_every,
+    command = python_call("lab.bench.accuracy.time_to_accuracy", metric=metric, target=target, eval_every=eval_every,
                           nprocs=nprocs, extra_flags=extra_flags or None)
     columns = ["variant", "steps", "img/s (wall)", first_eval, "training s to it", "of it compiling s",
                "speed-up to target", "training s, all steps", final, by_eval]

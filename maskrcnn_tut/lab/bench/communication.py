@@ -22,9 +22,9 @@ import torch
 from ... import distributed as du
 from ...config import make_config
 from ...monitor import StragglerCheck
+from ..wording import Said, english
 from .harness import bench_config, bench_dataset, measure
 from .projection import bus_bandwidth_gbps
-from .shown import english
 
 
 def collective_device() -> torch.device:
@@ -103,5 +103,6 @@ def imbalance_run(batch_sizes: Sequence[Sequence[int]], steps: int = 6, warmup: 
         results.append({"batch per rank": list(per_rank),
                         "forward s per rank": [statistics.median(times) for times in zip(*forward)],
                         "step s": statistics.median(measured.iter_times), "step s all": list(measured.iter_times),
-                        "warnings": check.warnings})
+                        "warnings": [Said("bench.straggler_warning", found, english=warning)
+                                     for found, warning in zip(check.found, check.warnings)]})
     return results

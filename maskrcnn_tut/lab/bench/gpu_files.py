@@ -25,10 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..wording import catalog, say, times
+from ..wording import Said, say, shown, times
 from .cache import spread_text
 from .results import BenchResult, add_spread, load_suite, row_label
-from .shown import _regex, english, shown
 
 #: The row keys of a file whose rows leave their new-shape steps out (written by `bench.steady`).
 STEADY_KEYS = ("new-shape steps", "img/s steady")
@@ -190,25 +189,17 @@ def _told_notes(part: BenchResult) -> None:
     """A part as the chapters show it: the stored notes that rank its settings by their medians alone left
     out (a file's verdicts are `steady_sentences`'), the speed table's note counting the steps its rows
     really measured, and a `steps` column."""
-    setup, _ = _regex(english_template("bench.table_setup"))
     steps = ", ".join(str(row["steps"]) for row in _measured(part) if row.get("steps") is not None)
-    ranking = [_regex(english_template(key))[0] for key in RANKING_NOTES]
     notes = []
     for note in part.notes:
-        if any(pattern.fullmatch(note) for pattern in ranking):
+        key = getattr(note, "key", None)
+        if key in RANKING_NOTES:
             continue
-        match = setup.fullmatch(note)
-        notes.append(english("bench.table_setup", **{**match.groupdict(), "steps": steps}) if match and steps else note)
+        notes.append(Said(key, {**note.values, "steps": steps}) if key == "bench.table_setup" and steps else note)
     part.notes = notes
     if "steps" not in part.columns and any(row.get("steps") is not None for row in part.rows):
         at = part.columns.index("img/s") + 1 if "img/s" in part.columns else len(part.columns)
         part.columns.insert(at, "steps")
-
-
-def english_template(key: str) -> str:
-    """The English template of a catalog entry ("bench.table_setup")."""
-    name, _, entry = key.partition(".")
-    return catalog(name)[entry]["en"]
 
 
 def show_gpu_results(folder: Path | str, parts: Sequence[str] | None = None) -> None:

@@ -131,7 +131,7 @@ def overhead(preset: str | None = None, image_size: int | None = None, batch_siz
              "s/step is the median of the rounds' medians.",
              "A loop whose per-round medians rise round after round slows down over time; the three loops "
              "train one model in turns, so a rise they share, with the mask head's RoIs, is the model learning."]
-    command = python_call("bench.overhead", preset=preset, image_size=image_size, batch_size=batch_size,
+    command = python_call("lab.bench.overhead", preset=preset, image_size=image_size, batch_size=batch_size,
                           rounds=rounds, steps=steps, warmup=warmup, **overrides)
     return BenchResult("overhead", "The training loop's overhead over the bare model step", rows,
                        ["loop", "s/step", "min round", "max round", "overhead s", "overhead %", "rounds",

@@ -40,8 +40,8 @@ from ...engine import TrainState
 from ...monitor import MetricsLogger, StragglerCheck
 from ..machine import provenance
 from ..rig import build_rig, shapes_config
+from ..wording import english
 from .results import BenchResult, python_call
-from .shown import english
 
 LOOPS = ("train.py's loop, workers running", "bare step, same batches")
 

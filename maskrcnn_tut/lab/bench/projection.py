@@ -31,12 +31,11 @@ import torch
 from ...errors import BenchError
 from ...hardware import usable_cores
 from ..machine import provenance
-from ..wording import interval, say, term
+from ..wording import english, interval, say, shown, term
 from .cache import cached
 from .harness import bench_config, launch_measure
 from .results import BenchResult, python_call
 from .scaling import CPU_TABLE_BATCH, table
-from .shown import english, shown
 
 #: GPUs per node before a ring all-reduce has to cross the network between nodes.
 GPUS_PER_NODE = 8
@@ -163,7 +162,7 @@ def ddp_point(nprocs: int, preset: str | None = None, steps: int = 16, warmup: i
     threads = None if gpus else max(1, usable_cores() // nprocs)
     measurement = launch_measure(cfg, nprocs, [{"steps": steps, "warmup": warmup}], threads)[0]
     row = {"setup": f"DDP({nprocs})", "processes": nprocs, "devices": nprocs, **measurement.row()}
-    command = python_call("bench.ddp_point", nprocs=nprocs, preset=preset, steps=steps, warmup=warmup, **overrides)
+    command = python_call("lab.bench.ddp_point", nprocs=nprocs, preset=preset, steps=steps, warmup=warmup, **overrides)
     return BenchResult("ddp_point", english("bench.ddp_point_title", n=nprocs), [row],
                        ["setup", "processes", "devices", "img/s", "peak MiB/device", "steps"], [], provenance(command))
 

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..wording import say, term
-from .shown import english, shown, shown_rows
+from ..wording import english, from_json, say, shown, shown_rows, term, to_json
 
 
 def _cell(value: Any, floatfmt: str) -> str:
@@ -39,7 +38,8 @@ def python_call(name: str, **kwargs) -> str:
 
 def row_label(row: dict) -> str:
     """A row's name: its setup (speed table) or setting (sweeps)."""
-    return str(row.get("setup", row.get("setting", "")))
+    label = row.get("setup", row.get("setting", ""))
+    return label if isinstance(label, str) else str(label)  # a recorded sentence stays one (`wording.Said`)
 
 
 @dataclass
@@ -75,7 +75,8 @@ class BenchResult:
         return _PLOTS.get(self.name, _plot_sweep)(self)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """For a JSON file: every recorded sentence as its key and values (`wording.to_json`)."""
+        return to_json(dataclasses.asdict(self))
 
     def save(self, path: Path | str) -> Path:
         path = Path(path)
@@ -85,7 +86,7 @@ class BenchResult:
 
     @classmethod
     def from_dict(cls, data: dict) -> BenchResult:
-        return cls(**data)
+        return cls(**from_json(data))
 
     @classmethod
     def load(cls, path: Path | str) -> BenchResult:

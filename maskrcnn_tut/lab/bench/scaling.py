@@ -12,12 +12,10 @@ import torch
 
 from ...errors import BenchError
 from ...hardware import usable_cores
-from ..dataparallel import explain_unavailable
 from ..machine import provenance
-from ..wording import say, speaking
+from ..wording import english, say, shown
 from .harness import bench_config, launch_measure
 from .results import BenchResult, python_call
-from .shown import english, shown
 
 TABLE_COLUMNS = ["setup", "processes", "threads/process", "GPUs", "img/s", "peak MiB/device", "total MiB",
                  "speedup", "scaling efficiency", "note"]
@@ -32,9 +30,9 @@ def _ddp_unavailable(gpus: int) -> str:
     return english("bench.ddp_needs_gpus", gpus=gpus)
 
 
-def _threads(key: str, threads: int, **values) -> str:
-    """A setup's label, "thread" or "threads" by the count."""
-    return english(f"bench.{key}_thread{'s' * (threads > 1)}", threads=threads, **values)
+def _threads(one: str, many: str, threads: int, **values) -> str:
+    """A setup's label, "thread" (catalog key `one`) or "threads" (`many`) by the count."""
+    return english(many if threads > 1 else one, threads=threads, **values)
 
 
 def table(preset: str | None = None, nprocs: int | None = None, steps: int = 16, warmup: int = 3,
@@ -75,23 +73,23 @@ def table(preset: str | None = None, nprocs: int | None = None, steps: int = 16,
             add(f"DDP({n})", n, None, n, n)
         else:
             asked = english("bench.not_measured_nprocs", gpus=gpus)
-            with speaking("en"):
-                rows.append({"setup": "DP", "note": asked if gpus >= 2 else explain_unavailable(gpus)})
+            rows.append({"setup": "DP", "note": asked if gpus >= 2 else english("dataparallel.unavailable", gpus=gpus)})
             rows.append({"setup": "DDP", "note": asked if gpus >= 2 else _ddp_unavailable(gpus)})
             notes.append(english("bench.single_gpu_only_nprocs") if gpus >= 2 else
                          english("bench.single_gpu_only", gpus=gpus))
         notes.append(english("bench.table_gpu_memory"))
     else:
         per_process = max(1, cores // n)
-        add(_threads("single", per_process), 1, per_process, None, per_process, note=english("bench.baseline"))
+        add(_threads("bench.single_thread", "bench.single_threads", per_process), 1, per_process, None, per_process,
+            note=english("bench.baseline"))
         all_threads = min(n * per_process, cores)
         if all_threads > per_process:
-            add(_threads("single", all_threads), 1, all_threads, None, all_threads, note=english("bench.all_cores"))
-        with speaking("en"):
-            rows.append({"setup": f"DP({n})", "processes": 1, "note": explain_unavailable(0).split(". On")[0]})
+            add(_threads("bench.single_thread", "bench.single_threads", all_threads), 1, all_threads, None,
+                all_threads, note=english("bench.all_cores"))
+        rows.append({"setup": f"DP({n})", "processes": 1, "note": english("dataparallel.needs_gpus", gpus=0)})
         if n >= 2:
             used = min(n * per_process, cores)
-            add(_threads("ddp", per_process, n=n), n, per_process, None, used)
+            add(_threads("bench.ddp_thread", "bench.ddp_threads", per_process, n=n), n, per_process, None, used)
             add(english("bench.without_allreduce", n=n), n, per_process, None, used,
                 {"sync_gradients": False}, note=english("bench.ceiling"))
         else:
@@ -109,7 +107,7 @@ def table(preset: str | None = None, nprocs: int | None = None, steps: int = 16,
             row["speedup"] = row["img/s"] / baseline
             row["scaling efficiency"] = row["speedup"] / row.pop("units")
     notes.append(english("bench.table_speedup"))
-    command = python_call("bench.table", preset=preset, nprocs=nprocs, steps=steps, warmup=warmup,
+    command = python_call("lab.bench.table", preset=preset, nprocs=nprocs, steps=steps, warmup=warmup,
                           data_path=data_path, max_seconds=max_seconds, **overrides)
     return BenchResult("table", english("bench.table_title"), rows,
                        [c for c in TABLE_COLUMNS if any(r.get(c) is not None for r in rows)], notes,
@@ -126,5 +124,5 @@ def single_device_speed(preset: str | None = None, steps: int = 12, warmup: int 
            **measurement.row()}
     return BenchResult("single_device_speed", english("bench.single_device_title"), [row],
                        ["setup", "preset", "img/s", "steps", "peak MiB/device"], [],
-                       provenance(python_call("bench.single_device_speed", preset=preset, steps=steps,
+                       provenance(python_call("lab.bench.single_device_speed", preset=preset, steps=steps,
                                               warmup=warmup, max_seconds=max_seconds)))

@@ -19,10 +19,9 @@ import torch
 from ...config import Config
 from ...hardware import usable_cores
 from ..machine import cpu_has_bf16, provenance
-from ..wording import say
+from ..wording import english, say, shown
 from .harness import bench_config, launch_measure, multiscale_sizes
 from .results import BenchResult, python_call
-from .shown import english, shown
 
 SWEEP_COLUMNS = ["setting", "img/s", "img/s all steps", "data ms", "compute ms", "peak MiB/device", "steps", "note"]
 #: A knob whose settings differ by less than this (relative img/s) made no measurable difference.
@@ -84,7 +83,7 @@ def sweep_loader(preset: str | None = None, workers: tuple[int, ...] = (0, 1, 2)
                 label = f"workers={n}, pin_memory={pin}" + (f", persistent={persistent}" if n > 0 else "")
                 settings.append((label, {"workers": n, "pin_memory": pin, "persistent_workers": persistent}))
     result = _sweep("loader", english("bench.loader_title"), cfg, settings,
-                    python_call("bench.sweep_loader", preset=preset, workers=workers, steps=steps, warmup=warmup,
+                    python_call("lab.bench.sweep_loader", preset=preset, workers=workers, steps=steps, warmup=warmup,
                                 data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
     rows = result.rows
     data_share = max(r["data ms"] / (r["data ms"] + r["compute ms"]) for r in rows)
@@ -118,7 +117,7 @@ def sweep_amp(preset: str | None = None, steps: int = 16, warmup: int = 3, data_
     else:
         skipped.append(("bf16 autocast", english("bench.bf16_cpu")))
     result = _sweep("amp", english("bench.amp_title"), cfg, settings,
-                    python_call("bench.sweep_amp", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
+                    python_call("lab.bench.sweep_amp", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
                                 max_seconds=max_seconds, force_bf16=force_bf16 or None, **overrides),
                     steps, warmup, max_seconds, skipped)
     result.notes.append(knob_note(result.rows, "amp_dtype", english("bench.amp_flat")))
@@ -136,7 +135,7 @@ def sweep_cudnn(preset: str | None = None, steps: int = 16, warmup: int = 3, dat
                  {"shape": shape, "cudnn_benchmark": flag})
                 for shape in ("fixed", "varying") for flag in ((False, True) if cuda else (False,))]
     result = _sweep("cudnn", english("bench.cudnn_title"), cfg, settings,
-                    python_call("bench.sweep_cudnn", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
+                    python_call("lab.bench.sweep_cudnn", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
                                 max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
     sizes = ", ".join(map(str, multiscale_sizes(cfg.min_size)))
     result.notes = [english("bench.cudnn_sizes", size=cfg.min_size, sizes=sizes)]
@@ -163,7 +162,7 @@ def sweep_accum(preset: str | None = None, accum_steps: tuple[int, ...] = (1, 2,
             settings.append((english("bench.accum_setting", batch=b * k, k=1, images=b * k),
                              {"accum_steps": 1, "batch_size": b * k, "steps": max(4, steps // k)}))
     result = _sweep("accum", english("bench.accum_title"), cfg, settings,
-                    python_call("bench.sweep_accum", preset=preset, accum_steps=accum_steps, steps=steps, warmup=warmup,
+                    python_call("lab.bench.sweep_accum", preset=preset, accum_steps=accum_steps, steps=steps, warmup=warmup,
                                 data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds,
                     process_per_setting=True)
     by_knobs = {(r["knobs"]["batch_size"], r["knobs"]["accum_steps"]): r for r in result.rows}
@@ -184,7 +183,7 @@ def sweep_size(preset: str | None = None, sizes: tuple[int, ...] | None = None, 
     sizes = sizes or ((512, 640, 800, 1024) if torch.cuda.is_available() else (96, 128, 192, 256))
     settings = [(f"{s} px", {"min_size": s, "max_size": s, "shape": "fixed"}) for s in sizes]
     result = _sweep("size", english("bench.size_title"), cfg, settings,
-                    python_call("bench.sweep_size", preset=preset, sizes=sizes, steps=steps, warmup=warmup,
+                    python_call("lab.bench.sweep_size", preset=preset, sizes=sizes, steps=steps, warmup=warmup,
                                 data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds,
                     process_per_setting=True)
     result.notes = [english("bench.size_square"),
@@ -199,7 +198,7 @@ def sweep_channels_last(preset: str | None = None, steps: int = 16, warmup: int 
     cfg = bench_config(preset, data_path, **overrides)
     settings = [(f"channels_last={flag}", {"channels_last": flag}) for flag in (False, True)]
     result = _sweep("channels_last", english("bench.channels_last_title"), cfg, settings,
-                    python_call("bench.sweep_channels_last", preset=preset, steps=steps, warmup=warmup,
+                    python_call("lab.bench.sweep_channels_last", preset=preset, steps=steps, warmup=warmup,
                                 data_path=data_path, max_seconds=max_seconds, **overrides), steps, warmup, max_seconds)
     why = english("bench.channels_last_gpu" if torch.cuda.is_available() else "bench.channels_last_cpu")
     result.notes.append(knob_note(result.rows, "channels_last", why))
@@ -236,7 +235,7 @@ def sweep_fast_path(preset: str | None = None, steps: int = 12, warmup: int = 3,
         settings = [(label, knobs) for label, knobs in settings if not knobs or knobs.get("compile_backbone")]
     skipped = [("JPEG decode on the device (--decode-on-device)", english("bench.decode_skipped"))]
     result = _sweep("fast_path", english("bench.fast_path_title"), cfg, settings,
-                    python_call("bench.sweep_fast_path", preset=preset, steps=steps, warmup=warmup,
+                    python_call("lab.bench.sweep_fast_path", preset=preset, steps=steps, warmup=warmup,
                                 data_path=data_path, max_seconds=max_seconds, compiled=None if compiled else False,
                                 only_compiled=only_compiled or None, **overrides),
                     steps, warmup, max_seconds, skipped, process_per_setting=True)
