@@ -15,9 +15,16 @@ adds a table there and keeps every verdict.
   template per verdict for sentences a chapter words its own way.
 
 The book has two editions, English and Japanese, whose code cells are the same but for one
-`set_language` call. Every sentence a cell writes comes from `say(key, **values)`, which reads the
-entry in the catalog `prose/<name>.json` (key `"<name>.<entry>"`) in the book's language; table
-headers, plot labels and short values go through `term`, which looks them up in `prose/terms.json`.
+`set_language` call. Every sentence a cell writes comes from `say(key, **values)` in the book's
+language: a lab module's sentences are the entries of `prose/<module>.json` (key `"<module>.<entry>"`,
+both languages in one file), a chapter's own are beside the chapters, `book/prose/chNN.json` and
+`book/ja/prose/chNN.json` (key `"chNN.<entry>"`). Keys are written whole where they are used, so a
+grep finds every use (tests/lab/test_catalog_keys.py). Table headers, plot labels and short values go
+through `term`, which looks them up in `prose/terms.json`.
+
+What is recorded (a results file, the bench cache, the shell) keeps a sentence as data: `english(key,
+**values)` makes a `Said`, a string that reads as its English and carries its key and values;
+`to_json`/`from_json` store and restore it, and `shown` words it again in the book's language.
 """
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from test_findings import _cpu_table, _measured, _spread
@@ -300,17 +299,17 @@ def test_memory_notes_read_back_into_japanese(ja, entry, values):
 
 
 def test_every_catalog_has_both_languages_with_the_same_placeholders():
-    catalogs = sorted(Path(wording.PROSE_DIR).glob("*.json"))
-    assert {f"{module}.json" for module in MODULES} <= {path.name for path in catalogs}
-    for path in catalogs:
-        entries = wording.catalog(path.stem)
-        if path.name.startswith("terms"):  # English -> Japanese, flat
-            assert all(isinstance(k, str) and isinstance(v, str) and v for k, v in entries.items()), path.name
+    catalogs = wording.catalog_names()
+    assert set(MODULES) <= set(catalogs) and {f"ch{n:02d}" for n in range(13)} <= set(catalogs)
+    for catalog in catalogs:
+        entries = wording.catalog(catalog)
+        if catalog == "terms":  # English -> Japanese, flat
+            assert all(isinstance(k, str) and isinstance(v, str) and v for k, v in entries.items()), catalog
             continue
         for name, entry in entries.items():
-            assert all(isinstance(entry.get(lang), str) for lang in wording.LANGUAGES), (path.name, name)
-            assert entry["ja"] or not entry["en"].strip(), (path.name, name)  # only a separator may be empty
-            assert wording.placeholders(entry["en"]) == wording.placeholders(entry["ja"]), (path.name, name)
+            assert all(isinstance(entry.get(lang), str) for lang in wording.LANGUAGES), (catalog, name)
+            assert entry["ja"] or not entry["en"].strip(), (catalog, name)  # only a separator may be empty
+            assert wording.placeholders(entry["en"]) == wording.placeholders(entry["ja"]), (catalog, name)
 
 
 def test_the_core_straggler_warning_is_shown_in_japanese(ja):
