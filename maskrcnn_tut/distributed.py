@@ -4,6 +4,7 @@ One process per device. `init_distributed` reads what torchrun (or `launch`) put
 environment, picks nccl for GPUs and gloo for CPUs, pins one GPU per process from LOCAL_RANK and
 gives each CPU process its share of the cores. It joins the process group through a key space of
 its own for each torchrun restart round, so a restarted group never reads a dead round's addresses.
+`run_cli` gives every command line (`train.py`, `predict`) the same exit codes, 4 when another rank failed.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import atexit
 import contextlib
 import datetime
 import json
+import logging
 import os
 import random
 import signal
@@ -18,13 +20,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import ConfigError, PeerFailure, RendezvousError, print_error
+from .errors import ConfigError, PeerFailure, RendezvousError, UserError, print_error
 from .hardware import ddp_buffer_sync_keyword, gpus_torch_cannot_use, usable_cores
 from .rendezvous import NETWORK_SIGNS, PORT_TAKEN_SIGNS, rendezvous_error, round_store
 
@@ -154,6 +157,42 @@ def record_error_for_torchrun(err: BaseException) -> None:
     payload = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
     with contextlib.suppress(OSError):
         Path(path).write_text(json.dumps(payload))
+
+
+def report(err: UserError, rank: int) -> None:
+    """One line on stderr (on rank 0 only for the set-up errors every rank meets alike), and the
+    same line in torchrun's error file, so its failure summary names the cause."""
+    if rank == 0 or err.rank_specific:
+        print_error(str(err))
+    record_error_for_torchrun(err)
+
+
+def run_cli(body: Callable[[], object]) -> int:
+    """A command line's exit-code contract (`errors.py`), for `train.py` and `predict` alike: logging
+    to stderr (the other ranks' at WARNING only), then `body()`, then 0. A `UserError` ends as one line
+    (`report`) and its exit code; Ctrl-C as `interrupted`; a RuntimeError that means another rank died
+    or hung (`peer_failure`) as one line and exit 4; any other error keeps its traceback. The process
+    leaves its group (`shutdown`) in every case."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    rank = env_world()[0]
+    if rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        body()
+    except UserError as err:
+        report(err, rank)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return interrupted(rank)
+    except RuntimeError as err:
+        failure = peer_failure(err)
+        if failure is None:
+            raise
+        report(failure, rank)
+        return failure.exit_code
+    finally:
+        shutdown()
+    return 0
 
 
 def shutdown() -> None:

@@ -34,7 +34,7 @@ from .config import Config, derive
 from .data.clean import category_labels, load_coco_json, resize_fails
 from .data.coco import read_rgb
 from .data.loader import dataset_paths, to_device
-from .errors import ConfigError, DataError, UserError, print_error
+from .errors import ConfigError, DataError
 from .evaluate import gather_results, to_coco_results
 from .flags import add_flags
 
@@ -246,24 +246,13 @@ def run(args: argparse.Namespace) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done; 2 bad arguments, inputs or checkpoint; 4 another rank failed."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    rank = du.env_world()[0]
-    if rank != 0:
-        logging.getLogger().setLevel(logging.WARNING)
-    try:
+    """Exit codes (`distributed.run_cli`): 0 done; 2 bad arguments, inputs or checkpoint; 4 another rank failed."""
+    def body() -> None:
         args = build_parser().parse_args(argv)
         check_args(args)
         run(args)
-    except UserError as err:
-        if rank == 0 or err.rank_specific:
-            print_error(str(err))
-        return err.exit_code
-    except KeyboardInterrupt:
-        return du.interrupted(rank)
-    finally:
-        du.shutdown()
-    return 0
+
+    return du.run_cli(body)
 
 
 if __name__ == "__main__":

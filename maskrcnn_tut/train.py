@@ -37,7 +37,7 @@ from maskrcnn_tut.engine import (
     make_scaler,
     train_step,
 )
-from maskrcnn_tut.errors import Preempted, UserError, print_error
+from maskrcnn_tut.errors import Preempted
 from maskrcnn_tut.evaluate import coco_from_dict, evaluate
 from maskrcnn_tut.flags import parse_args
 from maskrcnn_tut.model import build_model
@@ -227,50 +227,26 @@ def run(settings: Config) -> dict:
     return metrics or {}
 
 
-def print_config(settings: Config) -> int:
+def print_config(settings: Config) -> None:
     """`--print-config`: the settings and what this run derives from them, printed by rank 0."""
     info = du.init_distributed(settings.dist_backend, settings.dist_timeout, settings.accelerator)
     if info.is_main:
         cfg = derive(dataclasses.replace(settings, dist_backend=info.backend), info.world_size, info.device)
         print(json.dumps(cfg.to_dict(), indent=2))
-    return 0
-
-
-def report(err: UserError, rank: int) -> None:
-    """One line on stderr (on rank 0 only for the set-up errors every rank meets alike), and the
-    same line in torchrun's error file, so its failure summary names the cause."""
-    if rank == 0 or err.rank_specific:
-        print_error(str(err))
-    du.record_error_for_torchrun(err)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done; 2 bad settings, data or checkpoint; 3 non-finite loss; 4 another rank
-    failed; 143 stopped by SIGTERM, SIGUSR1 or the end of torchrun after saving a checkpoint."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    rank = du.env_world()[0]
-    if rank != 0:
-        logging.getLogger().setLevel(logging.WARNING)
-    try:
+    """Exit codes (`distributed.run_cli`): 0 done; 2 bad settings, data or checkpoint; 3 non-finite loss;
+    4 another rank failed; 143 stopped by SIGTERM, SIGUSR1 or the end of torchrun after saving a checkpoint."""
+    def body() -> None:
         cfg, print_only = parse_args(argv)
         validate(cfg, local_world_size=du.env_world()[3])
         if print_only:
-            return print_config(cfg)
-        run(cfg)
-    except UserError as err:
-        report(err, rank)
-        return err.exit_code
-    except KeyboardInterrupt:
-        return du.interrupted(rank)
-    except RuntimeError as err:
-        failure = du.peer_failure(err)
-        if failure is None:
-            raise
-        report(failure, rank)
-        return failure.exit_code
-    finally:
-        du.shutdown()
-    return 0
+            print_config(cfg)
+        else:
+            run(cfg)
+
+    return du.run_cli(body)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Faults a real multi-process run meets, proven on CPU with gloo: a worker killed under torchrun
 restarts and resumes to the same weights, a non-finite loss on one rank stops every rank without
-touching the last good checkpoint, and a dead or hung peer never leaves a rank waiting forever."""
+touching the last good checkpoint, and a dead or hung peer never leaves a rank waiting forever (in
+training, or in `predict`: exit 4 and one line)."""
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import resumable_payload
 from conftest import PYTHON, REPO, TRAIN_SCRIPT, run_flags, subprocess_env, train_command
 
 from maskrcnn_tut import checkpoint as ckpt
@@ -16,6 +18,7 @@ from maskrcnn_tut.lab.processes import free_port
 from maskrcnn_tut.monitor import read_jsonl
 
 FAULTY_TRAIN = REPO / "tests" / "faulty_train.py"
+FAULTY_PREDICT = REPO / "tests" / "faulty_predict.py"
 
 
 def _start(cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
@@ -163,6 +166,46 @@ def test_a_dead_or_hung_peer_makes_the_other_rank_exit_with_a_message(fault, tmp
         procs[1].kill()
         procs[1].wait()
         procs[0].kill()
+
+
+def _exit_status(pid: int, timeout: float = 60) -> int:
+    """The exit code of `pid`, a child of a paused torchrun: read from /proc once it is a zombie."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        if fields[0] == "Z":
+            return int(fields[-1]) >> 8  # exit_code, as waitpid reports it
+        assert time.monotonic() < deadline, f"rank 0 (pid {pid}) still running {timeout} s after its peer died"
+        time.sleep(0.05)
+
+
+@pytest.mark.system
+def test_predict_on_two_ranks_one_killed_ends_the_other_with_exit_4_and_one_line(small_shapes, tmp_path):
+    """Rank 1 stops answering while predicting; rank 0, done with its images, waits to gather the results;
+    rank 1 is killed. torchrun is paused meanwhile: it would end rank 0 (SIGTERM) as soon as it saw rank 1
+    die, and what is tested is rank 0's own exit, not torchrun's clean-up racing it."""
+    checkpoint, markers, log = tmp_path / "last.pt", tmp_path / "markers", tmp_path / "predict.log"
+    ckpt.atomic_save(resumable_payload(1), checkpoint)
+    markers.mkdir()
+    flags = ("--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"), "--batch-size", "1", "--workers", "0",
+             "--no-progress", str(small_shapes / "val2017"))
+    proc = _start(train_command(*flags, nproc=2, script=[str(FAULTY_PREDICT), "--stall-rank", "1",
+                                                         "--markers", str(markers), "--"]), log)
+    _wait_for(lambda: (markers / "stalled").exists() and (markers / "gathering0").exists(), proc, log)
+    rank0, rank1 = _worker_pid(proc.pid, rank=0), _worker_pid(proc.pid, rank=1)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        os.kill(rank1, signal.SIGKILL)
+        status = _exit_status(rank0)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    _finish(proc, 120)
+    output = log.read_text()
+    assert status == 4, output[-3000:]
+    ours = [line for line in output.splitlines() if "error: " in line]
+    assert len(ours) == 1 and "rank 0: another rank died or stopped answering" in ours[0], output[-3000:]
+    assert "PeerFailure: rank 0: another rank died" in output  # torchrun's summary, from its error file
+    assert "maskrcnn_tut/" not in output.replace(str(FAULTY_PREDICT), "")  # no traceback through our code
 
 
 @pytest.mark.system
