@@ -18,7 +18,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -44,9 +44,12 @@ class TrainState:
     scaler_skipped: int = 0
     #: steps whose shared values are still on their way to the host (`train_step(read=False)`); not saved
     unread: list = field(default_factory=list, repr=False, compare=False)
+    #: this rank was told to stop (a scheduler's signal, `preemption.StopRequest`): `train_step` sends it
+    #: with the step's shared values, so every rank learns it at the same read step; not saved
+    stop_requested: bool = field(default=False, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return {name: value for name, value in self.__dict__.items() if name != "unread"}
+        return {name: value for name, value in self.__dict__.items() if name not in ("unread", "stop_requested")}
 
 
 def configure_runtime(cfg, device: torch.device) -> None:
@@ -114,6 +117,19 @@ def advance_schedule(scheduler) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
         scheduler.step()
+
+
+def after_step(scheduler, records: list[StepRecord],
+               callbacks: Sequence[Callable[[StepRecord], None]]) -> StepRecord | None:
+    """What train.py's loop does after every `train_step`, here so that the lab's benchmarks run the very
+    same calls: one schedule step (`advance_schedule`), then every record the step returned to each
+    callback in turn (the metrics logger, the straggler check). Returns the newest record (None: the
+    step was not read), on which the loop decides about checkpoints, a stop and evaluation."""
+    advance_schedule(scheduler)
+    for record in records:
+        for callback in callbacks:
+            callback(record)
+    return records[-1] if records else None
 
 
 def build_optimizer(model: nn.Module, cfg: Run) -> torch.optim.Optimizer:
@@ -287,7 +303,7 @@ def _optimizer_step(model, optimizer, scaler, cfg: Run) -> torch.Tensor | None:
 
 
 def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, state: TrainState, *,
-               stop_requested: bool = False, read: bool = True) -> list[StepRecord]:
+               read: bool = True) -> list[StepRecord]:
     """One optimizer step: `accum_steps` forward/backward micro-steps, then clip and step.
 
     Returns the records of the steps whose values the host read with this one: this step's alone,
@@ -298,7 +314,7 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, state: Tra
     overflowed step itself. --skip-nonfinite decides before the optimizer step, so with it every
     step is read.
     Raises `NonFiniteLossError` on every rank when any rank's loss is not finite (unless
-    `--skip-nonfinite` still allows skipping it). `stop_requested` (this rank was told to stop)
+    `--skip-nonfinite` still allows skipping it). `state.stop_requested` (this rank was told to stop)
     travels in the shared all-reduce, so every rank learns it at the same read step.
     """
     start = time.perf_counter()
@@ -329,7 +345,7 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, state: Tra
     if read:  # reading the forward's end waits for the device; every backward is queued by now
         shared[info.rank, n + 1] = sum(_seconds(*span) for span in forward_spans)
     shared[info.rank, n + 2] = data_time
-    shared[info.rank, n + 3] = float(stop_requested)
+    shared[info.rank, n + 3] = float(state.stop_requested)
     du.all_reduce_sum(shared)
     lr = optimizer.param_groups[0]["lr"]
     if not read:

@@ -30,7 +30,7 @@ from maskrcnn_tut.data.loader import (
 from maskrcnn_tut.data.shapes import ensure_shapes_dataset
 from maskrcnn_tut.engine import (
     TrainState,
-    advance_schedule,
+    after_step,
     build_optimizer,
     build_scheduler,
     configure_runtime,
@@ -163,8 +163,9 @@ def run(settings: Config) -> dict:
                                  "state": state.to_dict(), "rng": rngs, "config": cfg_dict},
                       state.step, cfg.keep_checkpoints)
 
-    # the loop: one optimizer step (engine.train_step: accum_steps micro-batches), then the
-    # schedule, the log, and checkpoints and evaluation when they are due. A scheduler's signal
+    # the loop: one optimizer step (engine.train_step: accum_steps micro-batches), then the schedule
+    # and the log (engine.after_step, which the lab's benchmarks call too), and checkpoints and
+    # evaluation when they are due. A scheduler's signal
     # (preemption.StopRequest) saves after the current step on every rank, then stops; during the
     # final evaluation, whose step is saved already, it stops at once
     started = time.perf_counter()
@@ -182,13 +183,10 @@ def run(settings: Config) -> dict:
         model.train()
         try:
             while state.step < total_steps:
-                records = train_step(model, optimizer, scaler, batches, cfg, state,
-                                     stop_requested=stop.cause is not None, read=read_all or due(state.step + 1))
-                advance_schedule(scheduler)
-                for record in records:
-                    logger(record)
-                    stragglers(record)
-                if not records:
+                state.stop_requested = stop.cause is not None
+                records = train_step(model, optimizer, scaler, batches, cfg, state, read=read_all or due(state.step + 1))
+                record = after_step(scheduler, records, (logger, stragglers))  # schedule, log, straggler check
+                if record is None:
                     continue
                 if record.step % cfg.checkpoint_every == 0 or record.step == total_steps or record.stop_requested:
                     save_checkpoint()

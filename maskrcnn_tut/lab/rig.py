@@ -107,11 +107,12 @@ class Rig:
         return du.unwrap(self.model)
 
     def step(self, stop_requested: bool = False, read: bool = True) -> StepRecord | None:
-        """One `engine.train_step` on the next batches (the schedule is the caller's to step, as
-        train.py steps it after each step): its record, or None for a step not read (`read=False`,
-        as train.py runs GPU steps between log lines)."""
-        records = train_step(self.model, self.optimizer, self.scaler, self.batches, self.cfg, self.state,
-                             stop_requested=stop_requested, read=read)
+        """One `engine.train_step` on the next batches, `stop_requested` as this rank's stop request
+        (`TrainState.stop_requested`); the schedule is the caller's to step, as train.py steps it after
+        each step (`engine.after_step`). Its record, or None for a step not read (`read=False`, as
+        train.py runs GPU steps between log lines)."""
+        self.state.stop_requested = stop_requested
+        records = train_step(self.model, self.optimizer, self.scaler, self.batches, self.cfg, self.state, read=read)
         return records[-1] if records else None
 
 

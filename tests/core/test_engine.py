@@ -9,8 +9,10 @@ import torch
 from maskrcnn_tut.config import derive, make_config
 from maskrcnn_tut.engine import (
     TrainState,
+    after_step,
     autocast_dtype,
     build_optimizer,
+    build_scheduler,
     lr_schedule,
     make_scaler,
     train_step,
@@ -173,3 +175,20 @@ def test_skip_nonfinite_reads_every_step_whatever_the_loop_asks():
     records = train_step(model, build_optimizer(model, cfg), make_scaler(cfg, torch.device("cpu")),
                          iter(proofs.toy_batches(1, 2)), cfg, state, read=False)
     assert [r.skipped for r in records] == [True]
+
+
+def test_after_step_is_train_py_tail_schedule_once_then_every_record_to_every_callback():
+    """`after_step` (train.py's loop and the benches' copy of it): a stop request in the state reaches the
+    record; the schedule steps once per step, read or not; the records go to the callbacks oldest first."""
+    cfg = derive(make_config("cpu-tiny", optimizer="sgd", warmup_steps=10), 1, "cpu")
+    model, state = proofs.TinyDetector(), TrainState()
+    optimizer, scaler, batches = build_optimizer(model, cfg), make_scaler(cfg, torch.device("cpu")), iter(proofs.toy_batches(2, 2))
+    scheduler = build_scheduler(optimizer, cfg, 100)
+    seen = []
+    callbacks = (lambda r: seen.append(("log", r.step)), lambda r: seen.append(("stragglers", r.step)))
+    assert after_step(scheduler, train_step(model, optimizer, scaler, batches, cfg, state, read=False), callbacks) is None
+    state.stop_requested = True
+    newest = after_step(scheduler, train_step(model, optimizer, scaler, batches, cfg, state), callbacks)
+    assert newest.step == 2 and newest.stop_requested and scheduler.last_epoch == 2
+    assert seen == [("log", 1), ("stragglers", 1), ("log", 2), ("stragglers", 2)]
+    assert "stop_requested" not in state.to_dict()  # a request, not a checkpoint's business

@@ -18,7 +18,7 @@ META = torch.device("meta")
 def test_accumulated_gradients_train_on_the_models_device(monkeypatch):
     seen = {}
 
-    def spy_train_step(model, optimizer, scaler, batches, cfg, state, stop_requested, read):
+    def spy_train_step(model, optimizer, scaler, batches, cfg, state, read):
         seen.update(device=cfg.device, params={p.device for p in model.parameters()}, precision=cfg.precision)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)

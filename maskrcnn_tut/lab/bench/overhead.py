@@ -7,9 +7,9 @@ three loops take turns, round after round, so drift of the machine hits them ali
   the least any training loop must do;
 - `engine.train_step`: the package's step (autocast, accumulation, the shared all-reduce of loss
   terms and flags, the non-finite guard, the forward timing);
-- `train.py's loop (copied)`: the step plus the schedule, the metrics logger, the straggler check
-  and the SIGTERM check, as train.py calls them after each step; a copy of those calls, so a call
-  that train.py's loop gains must be added here too.
+- `train.py's loop`: the step plus what train.py does after each step (`engine.after_step`: the
+  schedule, the metrics logger, the straggler check) and the SIGTERM check; the same function
+  train.py calls, so a call its loop gains is measured here too.
 
 Overhead is each loop's median step time minus the bare one's, with the rounds' spread. A loop
 that slows down from round to round shows as a rising per-round median. All three loops train the same
@@ -32,13 +32,13 @@ import torch
 from ... import distributed as du
 from ...config import make_config
 from ...data.loader import to_device
-from ...engine import StepRecord
+from ...engine import StepRecord, after_step
 from ...monitor import MetricsLogger, StragglerCheck
 from ..machine import provenance
 from ..rig import Rig, build_rig, synthetic_batches
 from .results import BenchResult, python_call
 
-LOOPS = ("bare", "engine.train_step", "train.py's loop (copied)")
+LOOPS = ("bare", "engine.train_step", "train.py's loop")
 
 
 @dataclass
@@ -94,9 +94,7 @@ def overhead(preset: str | None = None, image_size: int | None = None, batch_siz
                 return
             record = fixed.train_step(stop_requested=stop.is_set())
             if name == LOOPS[2]:
-                rig.scheduler.step()
-                logger(record)
-                stragglers(record)
+                after_step(rig.scheduler, [record], (logger, stragglers))
 
         for name in LOOPS:
             for _ in range(warmup):

@@ -36,7 +36,7 @@ from ...config import derive, make_config
 from ...data.device_decode import apply_transforms
 from ...data.loader import batch_stream, build_dataset, build_train_loader, to_device, worker_count
 from ...data.packing import pack
-from ...engine import TrainState
+from ...engine import TrainState, after_step
 from ...monitor import MetricsLogger, StragglerCheck
 from ..machine import provenance
 from ..rig import build_rig, shapes_config
@@ -144,13 +144,11 @@ class PairedLoops:
         self.rig.batches = (self.drawn.append(batch) or batch for batch in self.stream)
 
     def loop_step(self) -> None:
-        """One step as train.py's loop takes it."""
+        """One step as train.py's loop takes it: the step, then `engine.after_step` as train.py calls it."""
         rig = self.rig
         record = rig.step(stop_requested=self.stop.is_set())
         self.losses[LOOPS[0]].append(record.loss)
-        rig.scheduler.step()
-        self.logger(record)
-        self.stragglers(record)
+        after_step(rig.scheduler, [record], (self.logger, self.stragglers))
 
     def bare_step(self, batch) -> None:
         """Forward, summed losses, backward, optimizer step and the schedule's step: nothing else."""
