@@ -26,7 +26,7 @@ from .atomic import atomic_write, fsync_dir
 from .config import Config, Run
 from .engine import TrainState
 from .errors import CheckpointError
-from .model import build_model
+from .model import build_model, torch_load, why_unloadable
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +129,11 @@ def _first_line(err: Exception) -> str:
 def load(path: Path) -> dict:
     """Load a checkpoint safely; a truncated or foreign file raises `CheckpointError` naming it."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch_load(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: checkpoint not found") from None
     except Exception as err:  # truncated zip, not a torch file, unsafe pickle...
-        raise CheckpointError(f"{path}: cannot be loaded ({_first_line(err)})") from None
+        raise CheckpointError(f"{path}: cannot be loaded ({why_unloadable(err, path)})") from None
     if not isinstance(payload, dict) or "model" not in payload or "state" not in payload:
         raise CheckpointError(f"{path}: not a maskrcnn_tut checkpoint (no model/state entries)")
     return payload

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import pickle
+import warnings
 
 import torch
 from torch import nn
@@ -157,13 +159,46 @@ def _begin_cuda_graph_step(module: nn.Module, args) -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
+def torch_load(path) -> object:
+    """`torch.load` on the CPU with `weights_only=True`: tensors and plain containers only, a file that
+    would run code is refused (`why_unloadable` says so); torch's warnings about the file are left out."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def why_unloadable(err: Exception, path) -> str:
+    """Why `torch_load(path)` failed, as "<error type>: <what the file is>", on one line; never torch's
+    advice to load the file with `weights_only=False`, the step that runs whatever code it holds."""
+    kind = type(err).__name__
+    lines = [line.strip() for line in str(err).splitlines() if line.strip() and "weights_only" not in line]
+    if isinstance(err, OSError):
+        return f"{kind}: {err.strerror or err}"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        head = b"?"
+    if not head:
+        return f"{kind}: the file is empty"
+    if isinstance(err, pickle.UnpicklingError) and str(err).startswith("Weights only load failed"):
+        named = next((line.split("GLOBAL ", 1)[1].split()[0] for line in lines if "GLOBAL " in line), None)
+        what = f"it names {named}" if named else (lines[0][:120] if lines else "objects other than tensors")
+        return f"{kind}: refused, it holds Python objects, not only tensors, and loading them could run code ({what})"
+    if head.isascii() and all(c >= 32 or c in b"\t\r\n" for c in head):
+        text = head.decode().splitlines()[0][:40] if head.strip() else ""
+        return f"{kind}: a text file, not one torch.save wrote (it starts {text!r})"
+    if head.startswith(b"PK") and "central directory" in str(err):
+        return f"{kind}: cut short or damaged (torch.save's zip archive has no end: {lines[0][:80]})"
+    return f"{kind}: {lines[0][:200] if lines else 'empty, cut short or not a torch checkpoint file'}"
+
+
 def read_state_dict(path: str, flag: str) -> dict:
     """A local state dict (or a train.py checkpoint's "model"), loaded without running code."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch_load(path)
     except Exception as err:  # not a torch file, truncated, unsafe pickle...
-        raise CheckpointError(f"{flag} {path}: not a loadable torch state dict ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0][:200] if str(err) else ''})") from None
+        raise CheckpointError(f"{flag} {path}: not a loadable torch state dict ({why_unloadable(err, path)})") from None
     if isinstance(state, dict):
         state = state.get("model", state.get("state_dict", state))
     if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
@@ -171,14 +206,35 @@ def read_state_dict(path: str, flag: str) -> dict:
     return state
 
 
+#: The layers whose shapes follow the class count: a --weights file of another dataset's classes leaves them
+#: at their initialisation; any other tensor of another shape (or not of numbers) means another model.
+CLASS_LAYERS = ("roi_heads.box_predictor.", "roi_heads.mask_predictor.mask_fcn_logits.")
+
+
+def _fits(own: torch.Tensor, theirs) -> bool:
+    return (isinstance(theirs, torch.Tensor) and own.shape == theirs.shape
+            and own.dtype.is_floating_point == theirs.dtype.is_floating_point)
+
+
 def _load_matching(module: nn.Module, state: dict, flag: str, path: str, required: str, hint: str) -> None:
     """Load the tensors of `state` whose name and shape `module` has; every one of `module`'s
-    tensors under `required` must be among them (else one line, with `hint`). Logs what was
-    loaded, what stays at its initialisation (another class count) and what the file had extra.
-    BatchNorm's `num_batches_tracked` counters are no weights: dropped where the model has none."""
+    tensors under `required` must be among them, and no other tensor of the file but the class
+    layers' may have another shape or type (else one line, with `hint`); none may be NaN or infinite.
+    Logs what was loaded, what stays at its initialisation (another class count) and what the file
+    had extra. BatchNorm's `num_batches_tracked` counters are no weights: dropped where the model has none."""
     own = module.state_dict()
     state = {k: v for k, v in state.items() if not (k.endswith("num_batches_tracked") and k not in own)}
-    loaded = {k: v for k, v in state.items() if k in own and isinstance(v, torch.Tensor) and own[k].shape == v.shape}
+    loaded = {k: v for k, v in state.items() if k in own and _fits(own[k], v)}
+    clash = next((k for k in state if k in own and k not in loaded and not k.startswith(CLASS_LAYERS)), None)
+    if clash is not None:
+        theirs, mine = state[clash], own[clash]
+        found = (f"shape {tuple(theirs.shape)} vs the model's {tuple(mine.shape)}" if getattr(theirs, "shape", None)
+                 != mine.shape else f"{getattr(theirs, 'dtype', type(theirs).__name__)} vs the model's {mine.dtype}")
+        raise CheckpointError(f"{flag} {path}: does not match this model ({clash}: {found}); {hint}")
+    broken = next((k for k, v in loaded.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if broken is not None:
+        raise CheckpointError(f"{flag} {path}: {broken} holds NaN or infinite values: the file is damaged, or was "
+                              "saved by a run that diverged")
     missing = [k for k in own if k.startswith(required) and k not in loaded and not k.endswith("num_batches_tracked")]
     if missing or not loaded:
         example = missing[0] if missing else next(iter(own))
@@ -203,8 +259,8 @@ def load_weights(model: MaskRCNN, path: str) -> None:
     state = read_state_dict(path, "--weights")
     backbone_only = "conv1.weight" in state and not any(k.startswith("backbone.") for k in state)
     hint = ("it holds a bare ResNet (ImageNet classifier keys): give it as --weights-backbone" if backbone_only else
-            f"--weights takes a Mask R-CNN state dict with backbone {model.backbone.body.__class__.__name__}-shaped "
-            "(check --backbone and --norm: torchvision's v1 weights need --norm frozen)")
+            "--weights takes a Mask R-CNN state dict of this model's shapes (check --backbone, --norm and the FPN and "
+            "head sizes: torchvision's files fit --preset gpu-r50, its v1 weights with --norm frozen)")
     _load_matching(model, state, "--weights", path, "backbone.body.", hint)
     fpn_norm = "backbone.fpn.inner_blocks.0.1.weight"
     if (fpn_norm in state) != (fpn_norm in model.state_dict()):
