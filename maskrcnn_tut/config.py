@@ -286,14 +286,6 @@ def derive(cfg: Config, world_size: int, device: torch.device | str) -> Run:
     return Run(cfg, world_size, device)
 
 
-def require_run(cfg: Any, needs: str) -> Run:
-    """`cfg` when it is a `Run`; a TypeError naming what `needs` it when it is settings never derived."""
-    if not isinstance(cfg, Run):
-        raise TypeError(f"{needs} needs the run's derived facts: pass config.derive(cfg, world_size, device), "
-                        f"not a {type(cfg).__name__}")
-    return cfg
-
-
 def flag_name(name: str) -> str:
     """The command-line flag of a Config field: batch_size -> --batch-size."""
     return "--" + name.replace("_", "-")

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .config import Config, Run
 from .errors import ConfigError, PeerFailure, RendezvousError, UserError, print_error
 from .hardware import ddp_buffer_sync_keyword, gpus_torch_cannot_use, usable_cores
 from .rendezvous import NETWORK_SIGNS, PORT_TAKEN_SIGNS, rendezvous_error, round_store
@@ -238,7 +239,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def wrap_ddp(model: nn.Module, cfg, dist_info: DistInfo) -> nn.Module:
+def wrap_ddp(model: nn.Module, cfg: Config | Run, dist_info: DistInfo) -> nn.Module:
     """DistributedDataParallel with the config's knobs; the model itself in a single process."""
     if not dist_info.distributed:
         return model

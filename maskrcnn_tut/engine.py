@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import distributed as du
-from .config import Run, require_run
+from .config import Config, Run
 from .data.loader import to_device
 from .errors import NonFiniteLossError, UnusedParametersError
 
@@ -52,7 +52,7 @@ class TrainState:
         return {name: value for name, value in self.__dict__.items() if name not in ("unread", "stop_requested")}
 
 
-def configure_runtime(cfg, device: torch.device) -> None:
+def configure_runtime(cfg: Run, device: torch.device) -> None:
     """cuDNN and determinism flags (chapter 6), and TF32 matmuls on Ampere and later GPUs; a warning
     for bfloat16 on a GPU older than Ampere, which only emulates it."""
     torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
@@ -67,7 +67,7 @@ def configure_runtime(cfg, device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        if getattr(cfg, "precision", None) == "bfloat16" and torch.cuda.get_device_capability(device) < (8, 0):
+        if cfg.precision == "bfloat16" and torch.cuda.get_device_capability(device) < (8, 0):
             log.warning("--amp-dtype bfloat16 on %s (compute capability %d.%d): GPUs before Ampere have no "
                         "bfloat16 units, so torch emulates it, slower than fp32; use --amp-dtype float16",
                         torch.cuda.get_device_name(device), *torch.cuda.get_device_capability(device))
@@ -75,7 +75,7 @@ def configure_runtime(cfg, device: torch.device) -> None:
 
 def autocast_dtype(cfg: Run) -> torch.dtype | None:
     """The autocast dtype of the run's precision (None: full fp32)."""
-    return _DTYPES[require_run(cfg, "autocast").precision]
+    return _DTYPES[cfg.precision]
 
 
 def autocast(cfg: Run, device: torch.device):
@@ -105,7 +105,7 @@ def lr_schedule(warmup_steps: int, total_steps: int, decay: str = "cosine") -> C
     return factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config | Run, total_steps: int):
     """`lr_schedule` as a LambdaLR over `total_steps` optimizer steps."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.warmup_steps, total_steps, cfg.lr_decay))
 
@@ -136,7 +136,7 @@ def build_optimizer(model: nn.Module, cfg: Run) -> torch.optim.Optimizer:
     """AdamW or SGD at the run's scaled lr; no weight decay on norm layers and biases. On GPUs the fused
     implementation: one kernel per step for all parameters, where the per-parameter loop launches
     hundreds (and, with a GradScaler, it skips an overflowed step without the host reading a flag)."""
-    lr = require_run(cfg, "build_optimizer").scaled_lr
+    lr = cfg.scaled_lr
     fused = {"fused": True} if cfg.fused_optimizer else {}
     decay, no_decay = [], []
     for param in model.parameters():
@@ -319,7 +319,7 @@ def train_step(model, optimizer, scaler, batches: Iterator, cfg: Run, state: Tra
     """
     start = time.perf_counter()
     info = du.info()
-    device = require_run(cfg, "train_step").device
+    device = cfg.device
     accum = cfg.accum_steps
     read = read or cfg.skip_nonfinite > 0
     data_time = 0.0

@@ -26,6 +26,7 @@ from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredic
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import misc as misc_ops
 
+from .config import Config, Run
 from .errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ NORM_LAYERS = {
 }
 
 
-def build_model(cfg, num_classes: int) -> MaskRCNN:
+def build_model(cfg: Config | Run, num_classes: int) -> MaskRCNN:
     """Mask R-CNN with a ResNet-FPN backbone as the config describes, randomly initialised.
 
     The head widths are knobs: `gpu-r50` keeps torchvision's (FPN 256, four 256-wide mask

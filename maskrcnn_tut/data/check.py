@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import validate
+from ..config import Config, validate
 from ..errors import UserError, print_error
 from ..flags import add_flags, config_from
 from .coco import CocoDetection
@@ -23,7 +23,7 @@ SPLITS = ("train", "val")
 FLAGS = ("data_path", "train_json", "train_images", "val_json", "val_images", "preset", "min_size", "max_size")
 
 
-def check_split(cfg, split: str, verify_pixels: bool = False) -> CocoDetection:
+def check_split(cfg: Config, split: str, verify_pixels: bool = False) -> CocoDetection:
     """Clean `split` as training does (train drops images without annotations, val keeps them),
     for a model resizing to `cfg`'s sizes. Always a fresh scan: no cached records are read or written."""
     image_dir, ann_file = dataset_paths(cfg, split)

@@ -32,7 +32,7 @@ from torch.utils.data import (
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 from torchvision.transforms import v2
 
-from ..config import require_run
+from ..config import Config, Run
 from ..errors import DataError, OutOfSharedMemory
 from ..hardware import usable_cores
 from ..preemption import STOP_SIGNALS
@@ -144,16 +144,16 @@ def loader_kwargs(workers: int, pin_memory: bool, persistent_workers: bool, pref
     return kwargs
 
 
-def worker_count(cfg) -> int:
+def worker_count(cfg: Run) -> int:
     """--workers, else 1 on CPUs (a worker's CPU comes out of the training threads', which use every core)
     and on GPUs one less than this process's share of the cores, at least 1, at most 4 (torchvision's -j 4)."""
     if cfg.workers is not None:
         return cfg.workers
     share = usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(4, share - 1)) if require_run(cfg, "worker_count").device.type == "cuda" else 1
+    return max(1, min(4, share - 1)) if cfg.device.type == "cuda" else 1
 
 
-def build_train_loader(dataset: CocoDetection, cfg, rank: int, world_size: int,
+def build_train_loader(dataset: CocoDetection, cfg: Run, rank: int, world_size: int,
                        device: torch.device | None = None) -> DataLoader:
     """The training DataLoader: DistributedSampler when distributed, optional aspect grouping;
     with `--decode-on-device` its JPEGs are decoded on `device` as the batches arrive (`iterate`)."""
@@ -173,8 +173,7 @@ def build_train_loader(dataset: CocoDetection, cfg, rank: int, world_size: int,
                         f"of --batch-size {cfg.batch_size} on {world_size} process(es) (needs "
                         f"{cfg.batch_size * world_size}): lower --batch-size or use fewer processes")
     return DataLoader(dataset, batch_sampler=ResumableBatches(batches, cfg.seed),
-                      **loader_kwargs(worker_count(cfg), require_run(cfg, "build_train_loader").pin_memory,
-                                      cfg.persistent_workers, cfg.prefetch_factor))
+                      **loader_kwargs(worker_count(cfg), cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor))
 
 
 class EvalShard(Subset):
@@ -192,16 +191,15 @@ class EvalShard(Subset):
         return [self[i] for i in indices]
 
 
-def build_eval_loader(dataset: CocoDetection, cfg, rank: int, world_size: int) -> DataLoader:
+def build_eval_loader(dataset: CocoDetection, cfg: Run, rank: int, world_size: int) -> DataLoader:
     """Each rank evaluates every world_size-th image: no padding, so no duplicated predictions; as many
     workers as training, started for each evaluation (the GPUs wait for decoding otherwise)."""
     shard = EvalShard(dataset, rank, world_size)
     return DataLoader(shard, batch_size=cfg.batch_size, sampler=SequentialSampler(shard),
-                      **loader_kwargs(worker_count(cfg), require_run(cfg, "build_eval_loader").pin_memory, False,
-                                      cfg.prefetch_factor))
+                      **loader_kwargs(worker_count(cfg), cfg.pin_memory, False, cfg.prefetch_factor))
 
 
-def dataset_paths(cfg, split: str) -> tuple[Path, Path]:
+def dataset_paths(cfg: Config | Run, split: str) -> tuple[Path, Path]:
     """(image folder, json) for `split` from --train-json/--val-json or the --data-path layout."""
     ann = cfg.train_json if split == "train" else cfg.val_json
     images = cfg.train_images if split == "train" else cfg.val_images
@@ -215,7 +213,7 @@ def records_cache_dir() -> Path:
     return default_cache_dir() / "coco-records"
 
 
-def build_dataset(cfg, split: str) -> CocoDetection:
+def build_dataset(cfg: Config | Run, split: str) -> CocoDetection:
     """One split as training and evaluation read it: cleaned for a model resizing to
     --min-size/--max-size (`extreme_aspect`), large datasets through the records cache."""
     train = split == "train"
@@ -223,7 +221,7 @@ def build_dataset(cfg, split: str) -> CocoDetection:
                          train=train, min_size=cfg.min_size, max_size=cfg.max_size, cache_dir=records_cache_dir())
 
 
-def build_datasets(cfg) -> tuple[CocoDetection, CocoDetection]:
+def build_datasets(cfg: Config | Run) -> tuple[CocoDetection, CocoDetection]:
     """(train, val) by `build_dataset`."""
     return build_dataset(cfg, "train"), build_dataset(cfg, "val")
 
@@ -317,7 +315,8 @@ def _disarm_half_made_iterator(err: BaseException) -> None:
 def _end_workers(loader: DataLoader, batches) -> None:
     """End a failed iterator's workers now, not at a garbage collection (the error's traceback holds the
     iterator in a cycle, the loader holds persistent ones): torch's own shutdown, as Lightning calls it."""
-    getattr(batches, "_shutdown_workers", lambda: None)()  # absent with workers=0
+    if hasattr(batches, "_shutdown_workers"):  # absent with workers=0
+        batches._shutdown_workers()
     if getattr(loader, "_iterator", None) is batches:
         loader._iterator = None
 

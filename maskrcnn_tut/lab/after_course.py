@@ -30,6 +30,7 @@ from pycocotools.coco import COCO
 
 from .. import distributed as du
 from .. import predict
+from ..config import Config
 from ..data.loader import build_dataset
 from ..evaluate import coco_metrics
 from ..model import build_model
@@ -56,7 +57,7 @@ def run_cli(main: Callable[[list[str]], int], prog: str, argv: Sequence) -> None
         raise RuntimeError(say("after_course.exited", prog=prog, code=code))
 
 
-def overfit_images(cfg, count: int) -> list[Path]:
+def overfit_images(cfg: Config, count: int) -> list[Path]:
     """The files of the first `count` training images: the ones `train.py --overfit count` memorizes."""
     dataset = build_dataset(cfg, "train").first(count)
     return [dataset.image_dir / image["file_name"] for image in dataset.images]
@@ -177,7 +178,7 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def weights_report(cfg, num_classes: int) -> tuple[torch.nn.Module, list[str]]:
+def weights_report(cfg: Config, num_classes: int) -> tuple[torch.nn.Module, list[str]]:
     """The model train.py builds for `cfg` (its --weights / --weights-backbone loaded) and the lines
     the loading logged: what was loaded, re-initialised and ignored."""
     logger = logging.getLogger("maskrcnn_tut.model")

@@ -118,7 +118,7 @@ class Rig:
 
 def build_rig(settings: Config, *, device: torch.device | str | None = None, batches: Iterable | None = None,
               model: nn.Module | None = None, total_steps: int = LONG_SCHEDULE,
-              wrap: Callable[[nn.Module, Config, du.DistInfo], nn.Module] | None = du.wrap_ddp,
+              wrap: Callable[[nn.Module, Run, du.DistInfo], nn.Module] | None = du.wrap_ddp,
               reads_as: tuple[int, int] | None = None) -> Rig:
     """A `Rig` for this process, built in train.py's order (module doc) from `settings`, an
     underived Config (derived here, once).

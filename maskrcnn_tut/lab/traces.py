@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from maskrcnn_tut.lab import processes
 
 from .. import distributed as du
-from ..config import Config
+from ..config import Config, Run
 from ..hardware import ddp_buffer_sync_keyword
 from ..model import build_model
 from . import bench, wording
@@ -112,7 +112,7 @@ def _profiled_steps(rig: Rig, steps: int, warmup: int, path: Path) -> None:
         prof.export_chrome_trace(str(path))
 
 
-def _labelled_ddp(model: nn.Module, cfg, info: du.DistInfo) -> nn.Module:
+def _labelled_ddp(model: nn.Module, cfg: Run, info: du.DistInfo) -> nn.Module:
     """`du.wrap_ddp` of the model with its forward under the profiler's label."""
     return du.wrap_ddp(Labelled(model), cfg, info)
 

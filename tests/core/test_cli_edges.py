@@ -92,14 +92,18 @@ def test_a_run_cannot_keep_stale_facts():
     assert dataclasses.replace(run, world_size=4).global_batch == 16
 
 
-def test_what_needs_derived_facts_refuses_settings_never_derived():
+def test_what_needs_derived_facts_fails_on_settings_never_derived_naming_the_fact():
+    """Such functions take a `Run` (their type says so): settings have none of its facts, so nothing
+    can read a fact the run did not derive."""
     cfg = make_config("cpu-tiny", amp=True)
     for attribute in ("global_batch", "scaled_lr", "precision", "world_size", "device"):
         assert not hasattr(cfg, attribute)
     model = build_model(cfg, 4)
-    for needs in (lambda: build_optimizer(model, cfg), lambda: autocast(cfg, torch.device("cpu")),
-                  lambda: make_scaler(cfg, torch.device("cpu")), lambda: build_eval_loader([], cfg, 0, 1)):
-        with pytest.raises(TypeError, match="config.derive"):
+    for needs, fact in ((lambda: build_optimizer(model, cfg), "scaled_lr"),
+                        (lambda: autocast(cfg, torch.device("cpu")), "precision"),
+                        (lambda: make_scaler(cfg, torch.device("cpu")), "precision"),
+                        (lambda: build_eval_loader([], cfg, 0, 1), "device")):
+        with pytest.raises(AttributeError, match=f"'Config' object has no attribute '{fact}'"):
             needs()
     assert isinstance(derive(cfg, 1, "cpu"), Run)
 

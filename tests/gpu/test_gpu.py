@@ -96,9 +96,9 @@ def test_nccl_group_of_one_and_ddp_train_a_step(monkeypatch):
 
 
 def test_cudnn_flags_and_tf32_follow_the_config():
-    configure_runtime(make_config("cpu-tiny", cudnn_benchmark=True), DEVICE)
+    configure_runtime(derive(make_config("cpu-tiny", cudnn_benchmark=True), 1, DEVICE), DEVICE)
     assert torch.backends.cudnn.benchmark and torch.backends.cuda.matmul.allow_tf32
-    configure_runtime(make_config("cpu-tiny", cudnn_benchmark=True, deterministic=True), DEVICE)
+    configure_runtime(derive(make_config("cpu-tiny", cudnn_benchmark=True, deterministic=True), 1, DEVICE), DEVICE)
     assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
     torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.deterministic = False
