@@ -6,9 +6,12 @@ It imports the training core (`maskrcnn_tut`); the core never imports it (tests/
   accuracy, COCO-scale start-up, scaling on paper, the GPU suite; results with provenance and a
   figure cache shared by chapters.
 - `processes`: `launch(fn, n)`, small process groups started from a notebook cell.
-- `machine`: this machine in words, versions, the provenance every results file records.
-- `gpus`: the GPUs through NVML (one reader), a sampler thread, their health; `health`: the
-  article's healthy ranges as advice.
+- `provenance`: this machine and its software in words, as every results file records them, and
+  chapter 2's environment report (the facts underneath are the core's `hardware`).
+- `nvml`: the GPUs through NVML (one reader), a sampler thread, their health; `device_memory`: memory
+  in use, the device's total, a new peak; `health`: the article's healthy ranges as advice.
+- `speed_findings`, `scale_findings`, `machine_findings`: the figures and verdicts the chapters print,
+  and the sentences true of this machine.
 - `memory`, `timeline`: where memory goes, memory over one step, the input-shape census.
 - `traces`, `diagrams`: a profiled DDP step; DP/DDP and the ring all-reduce drawn from code.
 - `proofs`: exact checks the chapters assert (accumulation equals a large batch, DDP + no_sync,

@@ -28,8 +28,8 @@ import torch
 from .. import distributed as du
 from ..config import lr_scale, make_config
 from . import wording
-from .machine import environment_report
 from .proofs import TinyDetector, toy_batches
+from .provenance import environment_report
 from .rig import build_rig, synthetic_batches
 from .wording import say
 
@@ -190,7 +190,7 @@ CUDA_ROW = "CUDA (the wheel's runtime)"
 
 def stack_today(report: list[dict] | None = None) -> list[dict]:
     """The article's software stack (「必要なソフトウェア Stack」 and its launch command), what this
-    book uses instead, and what this machine has (`machine.environment_report()`)."""
+    book uses instead, and what this machine has (`provenance.environment_report()`)."""
     have = {row[""]: row["this machine"] for row in (report or environment_report())}
     torchrun = shutil.which("torchrun") or (str(Path(sys.executable).with_name("torchrun"))
                                             if Path(sys.executable).with_name("torchrun").exists() else None)

@@ -35,7 +35,7 @@ from .. import distributed as du
 from ..config import Config, default_preset, make_config
 from . import wording
 from .bench import markdown_table
-from .machine import hardware, hardware_label
+from .provenance import hardware, hardware_label
 from .rig import shapes_config, shapes_dataset
 from .wording import english, say, shown, shown_rows, term
 
@@ -90,7 +90,7 @@ def set_language(lang: str) -> None:
 
 
 def hardware_summary() -> dict[str, Any]:
-    """Show what this machine has and which preset the chapter runs; returns `machine.hardware()`
+    """Show what this machine has and which preset the chapter runs; returns `provenance.hardware()`
     with the preset added (key "preset")."""
     hw = {**hardware(), "preset": default_preset()}
     gpus = ", ".join(f"{n} ({m:.0f} GB)" for n, m in zip(hw["gpus"], hw["gpu_memory_gb"])) or term("none visible")

@@ -23,9 +23,10 @@ from ..config import Config
 from ..engine import StepRecord
 from ..monitor import metrics_row
 from .bench import measure
-from .gpus import GPUSampler
+from .device_memory import device_memory_mb
 from .health import MAX_MEMORY_FRACTION
-from .machine import device_memory_mb, hardware_label
+from .nvml import GPUSampler
+from .provenance import hardware_label
 from .wording import say, term
 
 

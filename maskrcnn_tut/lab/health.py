@@ -1,7 +1,7 @@
 """The article's healthy ranges as plain-language advice on a run's metric rows and GPU samples.
 
 `health_advice(rows, gpus)` reads rows with the keys of `metrics.jsonl` (`monitor.read_jsonl`) and,
-where there are GPUs, a `gpus.GPUSampler`; each check says ok, fix (and what to do) or n/a.
+where there are GPUs, a `nvml.GPUSampler`; each check says ok, fix (and what to do) or n/a.
 
 Memory is judged by the run's own peak (`max_mem_mb`: on a GPU the caching allocator's
 `max_memory_allocated`, on a CPU the process's peak resident memory) against the device. NVML's
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from .. import distributed as du
 from . import wording
-from .gpus import GPUSampler, gpu_name
-from .machine import device_memory_mb
+from .device_memory import device_memory_mb
+from .nvml import GPUSampler, gpu_name
 from .wording import say
 
 #: The article's healthy ranges (「モニタリングとベンチマーク分析」).

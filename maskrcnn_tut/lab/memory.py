@@ -35,8 +35,8 @@ from ..hardware import peak_memory_mb
 from ..model import build_model
 from .bench.harness import environment
 from .bench.results import BenchResult, python_call, register_plot
-from .gpus import releases_gpu_cache
-from .machine import current_memory_mb, provenance, reset_peak_memory
+from .device_memory import current_memory_mb, releases_gpu_cache, reset_peak_memory
+from .provenance import provenance
 from .rig import Rig, build_rig, synthetic_batches
 from .synthetic import synthetic_batch
 from .wording import english, shown, term

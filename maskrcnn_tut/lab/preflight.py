@@ -8,7 +8,7 @@ big enough, can the processes talk fast enough, is every GPU healthy, and what t
   of them this process has set.
 - `preflight(nprocs)`: those, an all-reduce across the processes (`bench.communication.
   allreduce_bandwidth`: time per message size and the bus bandwidth it reached) and each GPU's
-  health (`gpus.gpu_health`), as rows of (check, ok, finding, what to do).
+  health (`nvml.gpu_health`), as rows of (check, ok, finding, what to do).
 - `diagnose_hang(...)`: a hang reproduced on purpose (one rank stalls in a loop before a
   collective, the others wait in it) and each rank's Python stack read from outside: with
   `py-spy dump --pid PID` where py-spy is installed, else with `faulthandler` through a signal.
@@ -38,7 +38,7 @@ from maskrcnn_tut.lab.wording import say
 from .. import distributed as du
 from ..hardware import gpu_count
 from .bench.communication import allreduce_bandwidth
-from .gpus import gpu_health
+from .nvml import gpu_health
 
 #: Below this /dev/shm is too small for a few DataLoader workers per GPU and NCCL's buffers.
 MIN_SHM_MB = 1024

@@ -27,7 +27,7 @@ from .. import distributed as du
 from ..distributed import barrier, init_distributed, shutdown
 from ..errors import WorkerError
 from ..hardware import gpu_count
-from .gpus import exclusive_gpu_held
+from .nvml import exclusive_gpu_held
 
 _STACKS = None  # a launch worker's stack-dump file (see _worker)
 

@@ -43,7 +43,7 @@ from ..hardware import ddp_buffer_sync_keyword
 from ..model import build_model
 from . import bench, wording
 from .bench import projection as predict
-from .machine import hardware
+from .provenance import hardware
 from .rig import Rig, build_rig
 
 #: Bucket cap of the last phase: DDP's default, several buckets for this model, so overlap can show.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from maskrcnn_tut import hardware
-from maskrcnn_tut.lab import machine
+from maskrcnn_tut.lab import provenance
 
 CGROUP = Path("/sys/fs/cgroup")
 PROBE = "from maskrcnn_tut.hardware import usable_cores, cgroup_cpu_limit; print(usable_cores(), cgroup_cpu_limit())"
@@ -51,6 +51,6 @@ def test_usable_cores_honour_a_real_cgroup_cpu_quota():
 
 
 def test_provenance_names_the_machine_and_the_command():
-    prov = machine.provenance("python -m something")
+    prov = provenance.provenance("python -m something")
     assert prov["command"] == "python -m something" and prov["cores"] == hardware.usable_cores()
-    assert prov["hardware"] == machine.hardware_label() and prov["torch"] and prov["date"]
+    assert prov["hardware"] == provenance.hardware_label() and prov["torch"] and prov["date"]

@@ -16,7 +16,7 @@ from conftest import subprocess_env
 
 from maskrcnn_tut import config, engine
 from maskrcnn_tut.errors import BenchError
-from maskrcnn_tut.lab import bench, machine, rig
+from maskrcnn_tut.lab import bench, provenance, rig
 from maskrcnn_tut.lab.bench import sweeps
 
 TINY = dict(min_size=64, max_size=96, batch_size=2)
@@ -94,7 +94,7 @@ def test_knob_note_compares_rows_that_differ_only_in_that_knob():
 
 def test_result_round_trips_and_renders(tmp_path):
     result = bench.BenchResult("amp", "AMP", [{"setting": "fp32", "img/s": 2.0, "peak MiB/device": 900.0}],
-                               bench.SWEEP_COLUMNS, ["bf16 skipped: no bf16 instructions"], machine.provenance("test"))
+                               bench.SWEEP_COLUMNS, ["bf16 skipped: no bf16 instructions"], provenance.provenance("test"))
     again = bench.BenchResult.load(result.save(tmp_path / "r.json"))
     assert again == result
     assert "| fp32 | 2 |" in again.to_markdown() and "- bf16 skipped" in again.to_markdown()

@@ -11,7 +11,7 @@ import torch
 from fake_gpus import FakeNvml, host
 
 from maskrcnn_tut.config import make_config
-from maskrcnn_tut.lab import article, book, hardware_prose, machine, speed_findings, timeline
+from maskrcnn_tut.lab import article, book, machine_findings, provenance, speed_findings, timeline
 from maskrcnn_tut.lab.bench import BenchResult
 from maskrcnn_tut.lab.wording import FASTER, SLOWER, WITHIN_NOISE
 
@@ -57,7 +57,7 @@ def test_cudnn_sweep_on_a_cpu_has_no_benchmark_verdict():
     found = speed_findings.cudnn(BenchResult("cudnn", "t", [_cudnn_row("fixed", None, 10.0, 9.0),
                                                             _cudnn_row("varying", None, 8.0, 7.0)], []))
     assert found["benchmark"] is None and found["comparison"].verdict == FASTER
-    said = hardware_prose.benchmark_verdict(found, steps=8, bound=64)
+    said = machine_findings.benchmark_verdict(found, steps=8, bound=64)
     assert "no GPU" in said and "at most 64" in said and "one-time cost" in said and "never" not in said
 
 
@@ -66,13 +66,13 @@ def test_cudnn_benchmark_verdicts_on_a_gpu():
             _cudnn_row("varying", False, 8.0, 7.8), _cudnn_row("varying", True, 8.0, 6.0)]  # no faster kernels
     found = speed_findings.cudnn(BenchResult("cudnn", "t", rows, []))
     assert found["benchmark"] == {"fixed": (FASTER, SLOWER), "varying": (WITHIN_NOISE, SLOWER)}
-    said = hardware_prose.benchmark_verdict(found, steps=8, bound=256)
+    said = machine_findings.benchmark_verdict(found, steps=8, bound=256)
     assert "in 8 steps the autotuning of new shapes cost more than it saved" in said and "at most 256" in said
     assert "With varying sizes autotuning found no faster kernels" in said
     paid = speed_findings.cudnn(BenchResult("cudnn", "t", [_cudnn_row("fixed", False, 10.0, 9.0),
                                                            _cudnn_row("fixed", True, 12.0, 11.0),
                                                            _cudnn_row("varying", False, 8.0, 7.0)], []))
-    assert hardware_prose.benchmark_verdict(paid, steps=30, bound=256).endswith("paid for itself within 30 steps.")
+    assert machine_findings.benchmark_verdict(paid, steps=30, bound=256).endswith("paid for itself within 30 steps.")
 
 
 # --------------------------------------------------------------------------- hosts: CPU, 1 GPU, 8 GPUs
@@ -89,30 +89,30 @@ def gpus(request, monkeypatch) -> int:
 
 
 def test_the_deterministic_sentence_follows_the_device_and_torchvision(gpus):
-    hw = machine.hardware()
+    hw = provenance.hardware()
     assert len(hw["gpus"]) == gpus
-    assert hardware_prose.roi_align_compiles_when_deterministic()  # torchvision 0.29's roi_align under the flag
-    said = hardware_prose.determinism(hw, repeated=True, threads=2)
+    assert machine_findings.roi_align_compiles_when_deterministic()  # torchvision 0.29's roi_align under the flag
+    said = machine_findings.determinism(hw, repeated=True, threads=2)
     # torchvision >= 0.19 swaps RoIAlign for a compiled kernel with a deterministic backward
     assert "compiled pure-PyTorch kernel whose backward is deterministic" in said and "NLL loss" in said
     assert "adds with atomics), so" not in said
     assert ("this machine's" in said) == bool(gpus) and ("No GPU here" in said) == (not gpus)
     assert ("8 GPUs" in said) == (gpus == 8)
-    older = hardware_prose.determinism(hw, repeated=True, threads=2, compiled_roi_align=False)
+    older = machine_findings.determinism(hw, repeated=True, threads=2, compiled_roi_align=False)
     assert "no deterministic CUDA kernel for RoIAlign's backward" in older
 
 
 def test_a_cpu_run_that_did_not_repeat_is_said_so(gpus):
     if gpus:
         pytest.skip("the repeat check is a CPU sentence")
-    said = hardware_prose.determinism(machine.hardware(), repeated=False, threads=4)
+    said = machine_findings.determinism(provenance.hardware(), repeated=False, threads=4)
     assert "did not repeat" in said and "at 4 threads" in said
 
 
 @pytest.mark.parametrize("cores", [2, 16, 64])
 def test_workers_take_cpu_time_from_training_only_where_cores_are_short(gpus, cores, monkeypatch):
-    monkeypatch.setattr(machine, "usable_cores", lambda: cores)
-    said = hardware_prose.workers_and_cores(machine.hardware(), workers=4)
+    monkeypatch.setattr(provenance, "usable_cores", lambda: cores)
+    said = machine_findings.workers_and_cores(provenance.hardware(), workers=4)
     grows = "expect the compute bars to grow" in said
     # on a CPU training uses every core; on GPUs each process needs a core beside its 4 workers
     expected = {0: cores <= 16, 1: cores < 5, 8: cores < 40}[gpus]
@@ -124,15 +124,15 @@ def test_workers_take_cpu_time_from_training_only_where_cores_are_short(gpus, co
 
 
 def test_half_precision_weight_copies_explain_only_a_share_above_one():
-    assert "outweigh what the smaller activations save" in hardware_prose.autocast_small_images(1.2, 192, 84)
-    below = hardware_prose.autocast_small_images(0.8, 192, 84)
+    assert "outweigh what the smaller activations save" in machine_findings.autocast_small_images(1.2, 192, 84)
+    below = machine_findings.autocast_small_images(0.8, 192, 84)
     assert "80%" in below and "outweigh what the smaller" not in below
 
 
 @pytest.mark.parametrize("capability, tf32, tools", [(None, False, True), ((7, 0), False, False),
                                                      ((9, 0), True, True)])
 def test_tf32_sentence(capability, tf32, tools):
-    said = hardware_prose.tf32(capability)
+    said = machine_findings.tf32(capability)
     assert ('the "fp32" rows below are TF32' in said) == tf32
     assert ("The book's tools keep TF32 on" in said) == tools
 
@@ -141,7 +141,7 @@ def test_tf32_sentence(capability, tf32, tools):
                                                         (0.3, [3.0, 2.5], "started to learn", True),
                                                         (0.8, [2.0, 2.1], "segments most shapes", False)])
 def test_a_short_run_is_judged_by_what_it_reached(ap50, losses, learned, fell):
-    found = hardware_prose.first_run(ap50, losses)
+    found = machine_findings.first_run(ap50, losses)
     assert learned in found["learned"] and found["fell"] == fell
     assert ("still falling" in found["trend"]) == fell
 

@@ -9,8 +9,8 @@ import torch
 from fake_gpus import FakeNvml, host
 
 from maskrcnn_tut import distributed as du
-from maskrcnn_tut.lab.gpus import GPUSampler
 from maskrcnn_tut.lab.health import health_advice
+from maskrcnn_tut.lab.nvml import GPUSampler
 
 
 def rows(data_time: float, iter_time: float, memory_mb: float, n: int = 4) -> list[dict]:

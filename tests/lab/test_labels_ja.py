@@ -114,7 +114,7 @@ def speed_table() -> BenchResult:
              english("bench.table_shared_cores", n=2, cores=2), english("bench.table_speedup")]
     return BenchResult("table", english("bench.table_title"), rows, ["setup", "processes", "img/s", "peak MiB/device",
                        "speedup", "scaling efficiency", "note"], notes,
-                       {"hardware": english("machine.label_cpu", cores=2, cpu="AMD EPYC 7B13")})
+                       {"hardware": english("provenance.label_cpu", cores=2, cpu="AMD EPYC 7B13")})
 
 
 def test_book_plots(both):
@@ -232,9 +232,9 @@ def test_show_table_and_fits_table(both, monkeypatch):
 
 
 def test_machine_words_follow_the_language_but_provenance_stays_english(both, monkeypatch):
-    from maskrcnn_tut.lab import machine
-    monkeypatch.setattr(machine, "hardware", lambda: dict(HARDWARE))
-    said = both(lambda: (machine.hardware_label(), machine.environment_report(), machine.provenance("x")["hardware"]))
+    from maskrcnn_tut.lab import provenance
+    monkeypatch.setattr(provenance, "hardware", lambda: dict(HARDWARE))
+    said = both(lambda: (provenance.hardware_label(), provenance.environment_report(), provenance.provenance("x")["hardware"]))
     (en_label, en_report, en_prov), (ja_label, ja_report, ja_prov) = said["en"], said["ja"]
     assert en_label == en_prov == ja_prov == "2-core AMD EPYC 7B13 (no GPU)"
     assert ja_label == "2 コアの AMD EPYC 7B13（GPU なし）"
@@ -245,7 +245,7 @@ def test_machine_words_follow_the_language_but_provenance_stays_english(both, mo
 
 def test_bench_and_gpu_sentences(both):
     from maskrcnn_tut.lab.bench import describe_cache, machine_busy, spread_text
-    from maskrcnn_tut.lab.gpus import GPUSampler
+    from maskrcnn_tut.lab.nvml import GPUSampler
     busy = BenchResult("t", "t", [], [], [], {"cache": {"other load": 0.35, "hit": True, "measured": "2026-01-02T03:04",
                                                         "file": "/tmp/t.json"}})
     reading = [{"gpu": 0, "nvml_index": 3, "util": 30.0, "mem_used_mb": 4096.0, "mem_total_mb": 81920.0}]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from fake_gpus import FakeNvml, host
 
-from maskrcnn_tut.lab import book, machine, scale_findings, speed_findings
+from maskrcnn_tut.lab import book, provenance, scale_findings, speed_findings
 from maskrcnn_tut.lab.processes import demo_processes
 from maskrcnn_tut.monitor import StragglerCheck
 
@@ -30,7 +30,7 @@ def words_on(monkeypatch, gpus: int, balanced_warns: bool) -> tuple[str, list[in
     uneven, even = speed_findings.split_batches(book.book_config().batch_size, processes)
     balanced = run(even, ["straggler: rank 0"] if balanced_warns else [])
     found = speed_findings.imbalance(run(uneven, ["straggler: rank 7"]), balanced)
-    gpu_count = len(machine.hardware()["gpus"])
+    gpu_count = len(provenance.hardware()["gpus"])
     return scale_findings.straggler_words(found, balanced, StragglerCheck().threshold, processes, gpu_count), even
 
 
@@ -61,5 +61,5 @@ def test_the_no_sync_check_says_where_it_ran(monkeypatch, gpus, said):
     """L4: on GPU hosts the check's toy models live on the GPUs (gloo with CUDA tensors), not on the CPU."""
     if gpus:
         host(monkeypatch, FakeNvml(8), ",".join(map(str, range(gpus))))
-    words = scale_findings.no_sync_check_words(len(machine.hardware()["gpus"]))
+    words = scale_findings.no_sync_check_words(len(provenance.hardware()["gpus"]))
     assert said in words and ("CPU cores" in words) == (gpus == 0)

@@ -135,7 +135,7 @@ def test_ddp_trace_labels_its_cpu_processes_not_the_gpus(monkeypatch):
     """M4: the trace hides the GPUs, so an 8-GPU host's label must not name them."""
     from fake_gpus import FakeNvml, host
 
-    from maskrcnn_tut.lab import machine
+    from maskrcnn_tut.lab import provenance
     host(monkeypatch, FakeNvml(8), "0,1,2,3,4,5,6,7")
 
     def fake_launch(worker, nprocs, cfg, steps, warmup, folder, backend):
@@ -147,7 +147,7 @@ def test_ddp_trace_labels_its_cpu_processes_not_the_gpus(monkeypatch):
 
     monkeypatch.setattr(traces.processes, "launch", fake_launch)
     trace = traces.ddp_trace(steps=1, warmup=0)
-    assert "Fake GPU" in machine.hardware_label() and "Fake GPU" not in trace.hardware
+    assert "Fake GPU" in provenance.hardware_label() and "Fake GPU" not in trace.hardware
     assert "GPUs hidden" in trace.hardware
     summary = trace.summary()
     assert summary["all-reduces per backward, no_sync"] == [0, 2] and summary["all-reduces per step"] == 1

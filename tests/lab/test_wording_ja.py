@@ -14,8 +14,8 @@ from maskrcnn_tut.lab import (
     after_course,
     article,
     dataparallel,
-    hardware_prose,
     health,
+    machine_findings,
     memory,
     preflight,
     scale_findings,
@@ -26,7 +26,7 @@ from maskrcnn_tut.lab.bench import BenchResult
 from maskrcnn_tut.lab.wording import FASTER, SLOWER, WITHIN_NOISE, english, shown
 
 #: The lab modules whose prose is `wording.say("<module>.<entry>")` of prose/<module>.json.
-MODULES = ("hardware_prose", "scale_findings", "health", "preflight", "traces", "article", "dataparallel",
+MODULES = ("machine_findings", "scale_findings", "health", "preflight", "traces", "article", "dataparallel",
            "after_course", "memory")
 JAPANESE = re.compile(r"[\u3040-\u30ff\u4e00-\u9fff]")
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
@@ -34,7 +34,7 @@ NUMBER = re.compile(r"\d+(?:\.\d+)?")
 #: underscored names (`pin_memory`, `requirements.txt`, `nvidia-smi`).
 CODE = re.compile(r"`[^`]*`|(?<![A-Za-z])'[^']*'|\{[^{}]*\}|--[\w-]+|\w+(?:[_./=:-]\w+)+")
 #: Lowercase names that the Japanese keeps as they are (glossary: forward, backward; tools and formats).
-KEPT = {"hardware_prose": {"backward", "loss", "torchvision"}, "scale_findings": {"forward", "gloo", "nccl"},
+KEPT = {"machine_findings": {"backward", "loss", "torchvision"}, "scale_findings": {"forward", "gloo", "nccl"},
         "preflight": {"desync", "docker", "torch", "torchrun"}, "traces": {"forward", "torch"},
         "article": {"gloo", "numpy", "pillow", "torchrun", "torchvision", "wheel"},
         "after_course": {"counts", "height", "json", "size", "torchvision", "width"},
@@ -86,32 +86,32 @@ def assert_japanese(module: str, en, ja, values: tuple[str, ...] = ()) -> None:
     assert not set(NUMBER.findall(en_text)) - set(NUMBER.findall(_text(ja))), (en_text, _text(ja))
 
 
-# --------------------------------------------------------------------------- hardware_prose
+# --------------------------------------------------------------------------- machine_findings
 
 
 @pytest.mark.parametrize("per_kind", [None, {"fixed": (FASTER, SLOWER), "varying": (WITHIN_NOISE, SLOWER)},
                                        {"fixed": (FASTER, FASTER)}])
 def test_benchmark_verdict(ja, per_kind):
-    assert_japanese("hardware_prose", *both(lambda: hardware_prose.benchmark_verdict({"benchmark": per_kind}, 8, 64)))
+    assert_japanese("machine_findings", *both(lambda: machine_findings.benchmark_verdict({"benchmark": per_kind}, 8, 64)))
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 8])
 @pytest.mark.parametrize("repeated, compiled", [(True, True), (False, False)])
 def test_determinism_and_workers(ja, gpus, repeated, compiled):
     hw = {"gpus": [{}] * gpus, "cores": 16}
-    assert_japanese("hardware_prose", *both(lambda: hardware_prose.determinism(hw, repeated, 4, compiled)))
+    assert_japanese("machine_findings", *both(lambda: machine_findings.determinism(hw, repeated, 4, compiled)))
     for workers in (1, 4):
-        assert_japanese("hardware_prose", *both(lambda: hardware_prose.workers_and_cores(hw, workers)))
+        assert_japanese("machine_findings", *both(lambda: machine_findings.workers_and_cores(hw, workers)))
 
 
 def test_autocast_tf32_and_first_run(ja):
     for ratio in (1.2, 0.8):
-        assert_japanese("hardware_prose", *both(lambda: hardware_prose.autocast_small_images(ratio, 192, 84.4)))
+        assert_japanese("machine_findings", *both(lambda: machine_findings.autocast_small_images(ratio, 192, 84.4)))
     for capability in (None, (7, 0), (9, 0)):
-        assert_japanese("hardware_prose", *both(lambda: hardware_prose.tf32(capability)))
+        assert_japanese("machine_findings", *both(lambda: machine_findings.tf32(capability)))
     for ap50, losses in ((0.0, [3.0, 2.5]), (0.3, [3.0, 2.5]), (0.8, [2.0, 2.1])):
-        en, found = both(lambda: hardware_prose.first_run(ap50, losses))
-        assert_japanese("hardware_prose", en, found)
+        en, found = both(lambda: machine_findings.first_run(ap50, losses))
+        assert_japanese("machine_findings", en, found)
         assert found["fell"] == en["fell"]
 
 

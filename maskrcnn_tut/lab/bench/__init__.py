@@ -33,7 +33,7 @@ memory is the CUDA allocator's peak per GPU, or each process's peak resident mem
 table row and every sweep runs in fresh worker processes started by `processes.launch`, each with
 its thread count set (`torch.set_num_threads`, OMP_NUM_THREADS) and, on CPUs, bound to cores of its
 own, so results do not depend on what the calling notebook did before. Results carry hardware
-provenance (`machine.provenance`: CPU, cores, GPUs, torch / CUDA / cuDNN / NCCL versions, date,
+provenance (`provenance.provenance`: CPU, cores, GPUs, torch / CUDA / cuDNN / NCCL versions, date,
 command) and say when a knob made no difference here, and why. Every public function also takes
 Config fields as keyword overrides (`table(batch_size=8)`, `sweep_amp(min_size=96)`).
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ...errors import BenchError
 from ...monitor import read_jsonl
-from ..machine import provenance
+from ..provenance import provenance
 from ..wording import english
 from .results import BenchResult, python_call
 

@@ -7,7 +7,7 @@ The first call runs the benchmark and writes its `BenchResult` to
 (chapter 8 after chapter 4, a rebuild of the book, the same call from a shell) reads that file back,
 so two chapters can never quote two different measurements of one figure. The key is:
 
-- the hardware, as `machine.provenance` names it (label, CPU model, GPUs) and the torch version;
+- the hardware, as `provenance.provenance` names it (label, CPU model, GPUs) and the torch version;
 - the code that measures: a hash of the sources that decide the measurement (`CODE_SOURCES`: the
   bench harness, `engine.py`, `model.py`, `config.py`, the process launcher, the data loader) and of
   the cached function's own module (`code_hash()`), so an edit there measures again;
@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 from ...atomic import atomic_write
 from ...data.shapes import default_cache_dir
 from ...monitor import img_per_s_median
-from ..machine import provenance
+from ..provenance import provenance
 from ..wording import interval, say
 from .results import BenchResult, add_spread
 

@@ -33,7 +33,7 @@ from ... import distributed as du
 from ...errors import UserError, print_error
 from ...hardware import peak_memory_mb
 from .. import processes
-from ..machine import current_memory_mb
+from ..device_memory import current_memory_mb
 
 CPU = torch.device("cpu")
 

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ...errors import BenchError
-from ..machine import provenance
+from ..provenance import provenance
 from .harness import launch_deadline
 from .results import results_path
 from .scaling import table

@@ -44,8 +44,8 @@ from torch.profiler import ProfilerActivity, profile
 from ... import distributed as du
 from ...atomic import atomic_write
 from ...engine import advance_schedule, train_step
-from ..gpus import GPUSampler
-from ..machine import provenance
+from ..nvml import GPUSampler
+from ..provenance import provenance
 from . import steady
 from .harness import bench_config
 from .host_work import count_host_work, optimizer_counters

@@ -30,7 +30,7 @@ from ...errors import BenchError
 from ...hardware import peak_memory_mb, usable_cores
 from ...monitor import img_per_s_mean, img_per_s_median, metrics_row
 from ..dataparallel import DetectionDataParallel, explain_unavailable
-from ..machine import reset_peak_memory
+from ..device_memory import reset_peak_memory
 from ..rig import LONG_SCHEDULE, SHAPES_SIZES, build_rig, shapes_config, shapes_dataset
 from .cache import timing_row
 

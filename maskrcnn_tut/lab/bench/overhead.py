@@ -34,7 +34,7 @@ from ...config import make_config
 from ...data.loader import to_device
 from ...engine import StepRecord, after_step
 from ...monitor import MetricsLogger, StragglerCheck
-from ..machine import provenance
+from ..provenance import provenance
 from ..rig import Rig, build_rig, synthetic_batches
 from .results import BenchResult, python_call
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .. import machine
+from ..provenance import provenance
 from . import steady
 from .harness import bench_dataset
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         settings["steps"] = args.steps
     out = Path(args.out)
     result = side_by_side(**settings, log_dir=out.with_suffix(".runs"))
-    result["provenance"] = machine.provenance(" ".join(["python -m maskrcnn_tut.lab.bench.peer", *sys.argv[1:]]))
+    result["provenance"] = provenance(" ".join(["python -m maskrcnn_tut.lab.bench.peer", *sys.argv[1:]]))
     out.write_text(json.dumps(result, indent=1))
     print(describe(result))
 

@@ -38,7 +38,7 @@ from ...data.loader import batch_stream, build_dataset, build_train_loader, to_d
 from ...data.packing import pack
 from ...engine import TrainState, after_step
 from ...monitor import MetricsLogger, StragglerCheck
-from ..machine import provenance
+from ..provenance import provenance
 from ..rig import build_rig, shapes_config
 from ..wording import english
 from .results import BenchResult, python_call

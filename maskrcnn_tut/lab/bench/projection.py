@@ -30,7 +30,7 @@ import torch
 
 from ...errors import BenchError
 from ...hardware import usable_cores
-from ..machine import provenance
+from ..provenance import provenance
 from ..wording import english, interval, say, shown, term
 from .cache import cached
 from .harness import bench_config, launch_measure

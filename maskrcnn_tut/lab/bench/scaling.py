@@ -12,7 +12,7 @@ import torch
 
 from ...errors import BenchError
 from ...hardware import usable_cores
-from ..machine import provenance
+from ..provenance import provenance
 from ..wording import english, say, shown
 from .harness import bench_config, launch_measure
 from .results import BenchResult, python_call

@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from ...config import Config
-from ...hardware import usable_cores
-from ..machine import cpu_has_bf16, provenance
+from ...hardware import cpu_has_bf16, usable_cores
+from ..provenance import provenance
 from ..wording import english, say, shown
 from .harness import bench_config, launch_measure, multiscale_sizes
 from .results import BenchResult, python_call

@@ -1,4 +1,4 @@
-"""gpus: the NVML reader and the sampler thread (no GPU, a fake reader, an 8-GPU host under
+"""nvml: the NVML reader and the sampler thread (no GPU, a fake reader, an 8-GPU host under
 CUDA_VISIBLE_DEVICES, a MIG slice matched by PCI address), GPU health and NVLink by CUDA index."""
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import torch
 from fake_gpus import FakeNvml, host
 
 from maskrcnn_tut import distributed as du
-from maskrcnn_tut.lab import gpus
-from maskrcnn_tut.lab.gpus import GPUSampler
 from maskrcnn_tut.lab.health import health_advice
+from maskrcnn_tut.lab.nvml import GPUSampler, exclusive_gpu_held, gpu_health, nvlink_links
 
 
 def rows(data_time: float, iter_time: float, memory_mb: float, n: int = 4) -> list[dict]:
@@ -117,7 +116,7 @@ def swapped_gpus(monkeypatch):
 
 
 def test_gpu_health_flags_ecc_errors_and_throttling_by_cuda_index(swapped_gpus):
-    sick, healthy = gpus.gpu_health(swapped_gpus)
+    sick, healthy = gpu_health(swapped_gpus)
     assert (sick["gpu"], sick["nvml_index"]) == (0, 1) and (healthy["gpu"], healthy["nvml_index"]) == (1, 0)
     assert healthy["ok"] and healthy["finding"] == "healthy" and healthy["PCIe"] == "gen 4 x16"
     assert not sick["ok"] and "3 uncorrected ECC errors" in sick["finding"] and "0x40" in sick["finding"]
@@ -130,12 +129,12 @@ class NoDriver(FakeNvml):
 
 
 def test_gpu_health_without_nvidia_is_empty(swapped_gpus):
-    assert gpus.gpu_health(NoDriver(2)) == []
+    assert gpu_health(NoDriver(2)) == []
 
 
 def test_nvlink_links_by_cuda_index_and_nvml_shut_down_after(swapped_gpus):
-    assert gpus.nvlink_links([0, 1], swapped_gpus) == [4, 0] and swapped_gpus.open == 0
-    assert gpus.nvlink_links([0, 1], NoDriver(2)) is None
+    assert nvlink_links([0, 1], swapped_gpus) == [4, 0] and swapped_gpus.open == 0
+    assert nvlink_links([0, 1], NoDriver(2)) is None
 
 
 def test_a_kernel_holding_an_exclusive_gpu_stops_launch_in_one_line(monkeypatch):
@@ -146,13 +145,13 @@ def test_a_kernel_holding_an_exclusive_gpu_stops_launch_in_one_line(monkeypatch)
 
     nvml = host(monkeypatch, FakeNvml(gpus=2, exclusive=frozenset({1})), "1,0")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # CUDA's 0 is NVML's 1 here
-    assert gpus.exclusive_gpu_held() is None  # no context yet: the workers may take the GPU
+    assert exclusive_gpu_held() is None  # no context yet: the workers may take the GPU
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert gpus.exclusive_gpu_held() == 0 and nvml.open == 0
-    health = {g["gpu"]: g for g in gpus.gpu_health(nvml)}
+    assert exclusive_gpu_held() == 0 and nvml.open == 0
+    health = {g["gpu"]: g for g in gpu_health(nvml)}
     assert health[0]["exclusive"] and "EXCLUSIVE_PROCESS" in health[0]["finding"] and not health[1]["exclusive"]
     with pytest.raises(WorkerError, match="GPU 0 is in EXCLUSIVE_PROCESS compute mode") as stop:
         processes.launch(print, 2)
     assert "\n" not in str(stop.value)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert gpus.exclusive_gpu_held() is None  # the kernel's GPU is in the default mode
+    assert exclusive_gpu_held() is None  # the kernel's GPU is in the default mode

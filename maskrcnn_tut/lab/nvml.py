@@ -12,13 +12,11 @@ utilization and memory of the run's GPUs, which `GPUSampler` samples in a thread
 can use) and by `nvlink_links` (active NVLink links per GPU).
 
 What a reader sees (`describe`, why a sampler is unavailable, a GPU's health finding) is worded in
-the book's language (`wording`, catalog `prose/gpus.json`).
+the book's language (`wording`, catalog `prose/nvml.json`).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
-import gc
 import statistics
 import threading
 import time
@@ -32,7 +30,7 @@ from . import wording
 
 
 def _say(entry: str, **values) -> str:
-    return wording.say(f"gpus.{entry}", **values)
+    return wording.say(f"nvml.{entry}", **values)
 
 
 class GpuUnavailable(RuntimeError):
@@ -342,18 +340,3 @@ def nvlink_links(cuda_devices: Sequence[int], nvml=None) -> list[int] | None:
             return counts
     except GpuUnavailable:
         return None
-
-
-def releases_gpu_cache(measure):
-    """For measurements that run on the notebook's own GPU: once they return, their models and batches
-    are gone and the caching allocator gives their memory back, so the processes a chapter starts
-    next on that GPU have it (gigabytes at R50 and 1024 px, much of a hub's 24 GB card)."""
-    @functools.wraps(measure)
-    def measured(*args, **kwargs):
-        try:
-            return measure(*args, **kwargs)
-        finally:
-            if torch.cuda.is_initialized():
-                gc.collect()
-                torch.cuda.empty_cache()
-    return measured

@@ -1,10 +1,14 @@
-"""This machine in words, for results and chapter 2: what it is, its software, where a figure came from.
+"""Where a figure came from, in words: this machine and its software as every results file records
+them, and chapter 2's report of them.
 
 - `hardware()` / `hardware_label()` / `recorded_hardware_label()`: CPU, usable cores, RAM, GPUs; a short
   name for plot titles, and the one a result records.
 - `versions()`, `provenance(command)`: the software stack, and what every results file records
   (hardware, versions, date, command).
-- `environment_report()`: chapter 2's table (interconnect included, read through `gpus`).
+- `environment_report()`: chapter 2's table (interconnect included, read through `nvml`).
+
+The facts underneath are the core's (`maskrcnn_tut.hardware`); the GPUs' readings are `nvml`'s, the
+device's memory `device_memory`'s, and the chapters' sentences about this machine `machine_findings`'.
 
 Labels and table values are in the book's language (`wording`); what a results file or the bench
 cache records (`provenance`) keeps its one sentence, the CPU's label, as its catalog key and values
@@ -23,16 +27,15 @@ from ..hardware import (
     cgroup_cpu_limit,
     cpu_has_bf16,
     gpu_count,
-    proc_status_kib,
     ram_gb,
     usable_cores,
 )
 from . import wording
-from .gpus import nvlink_links
+from .nvml import nvlink_links
 
 
 def _say(entry: str, **values) -> str:
-    return wording.say(f"machine.{entry}", **values)
+    return wording.say(f"provenance.{entry}", **values)
 
 
 def _term(text: str) -> str:
@@ -57,7 +60,7 @@ def recorded_hardware_label() -> str:
     hw = hardware()
     if hw["gpus"]:
         return " + ".join(f"{hw['gpus'].count(n)}x {n}" for n in sorted(set(hw["gpus"])))
-    return wording.english("machine.label_cpu", cores=hw["cores"], cpu=hw["cpu"])
+    return wording.english("provenance.label_cpu", cores=hw["cores"], cpu=hw["cpu"])
 
 
 def cudnn_version() -> str:
@@ -126,39 +129,3 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def current_memory_mb(device: torch.device) -> float:
-    """Memory in use now: CUDA tensors on the GPU, else this process's resident set size (MiB)."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**20
-    rss = proc_status_kib("VmRSS")
-    if rss is None:
-        raise RuntimeError("current_memory_mb needs Linux's /proc/self/status on a CPU")
-    return rss / 1024
-
-
-def device_memory_mb(device: torch.device) -> float | None:
-    """Memory of the device: the GPU's total, or the machine's physical RAM (MiB)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory / 2**20
-    total = ram_gb()
-    return total * 1024 if total else None
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak: the CUDA allocator's peak, or this process's resident high-water mark.
-
-    On CPU, freed heap memory is first handed back to the OS (glibc `malloc_trim`) and Linux's
-    VmHWM is reset through /proc/self/clear_refs; where either is missing the peak keeps counting
-    from the process start.
-    """
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass

@@ -13,7 +13,7 @@ ones included, is tested on simulated 1- and 8-GPU hosts.
 - `tf32(capability)`: whether this GPU's "fp32" is TF32, and that the book's tools keep it on (ch. 5).
 - `first_run(ap50, losses)`: what a short run of train.py reached (ch. 10).
 
-Each sentence is an entry of `prose/hardware_prose.json`, in the book's language (`wording.say`).
+Each sentence is an entry of `prose/machine_findings.json`, in the book's language (`wording.say`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from .wording import FASTER, SLOWER
 
 
 def _say(entry: str, **values) -> str:
-    return wording.say(f"hardware_prose.{entry}", **values)
+    return wording.say(f"machine_findings.{entry}", **values)
 
 
 def _count(entry: str, n: int) -> str:
