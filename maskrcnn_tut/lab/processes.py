@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import os
 import pickle
 import queue
@@ -19,7 +20,9 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -146,6 +149,78 @@ def _stop_groups(procs) -> None:
             p.join(timeout=max(0.0, ends - time.monotonic()))
 
 
+@dataclass
+class _Outcome:
+    """What the launching process has heard from its workers so far."""
+
+    result: Any = None  # rank 0's return value
+    finished: set = field(default_factory=set)  # ranks that reported a result or an error
+    error: str | None = None  # the one line of the WorkerError to raise
+    details: str = ""  # its details: a worker's traceback, or every hung worker's stacks
+
+    def take(self, kind: str, rank: int, payload) -> None:
+        """A worker's report: its result, or its error (the last line of its traceback)."""
+        if kind == "error":
+            self.error, self.details = f"worker {rank} failed: {payload.strip().splitlines()[-1]}", payload
+            self.finished.add(rank)
+        elif kind == "result":
+            self.finished.add(rank)
+            if rank == 0:
+                self.result = pickle.loads(payload)
+
+
+def _show(prefix_output: bool, kind: str, rank: int, payload) -> None:
+    """A line a worker printed, printed here (prefixed with its rank); other messages show nothing."""
+    if kind == "line":
+        print(f"[rank {rank}] {payload}" if prefix_output else payload, flush=True)
+
+
+def _collect(procs, messages, outcome: _Outcome, deadline: float, show: Callable,
+             hang_report: Callable[[list[int]], tuple[str, str]]) -> None:
+    """Read the workers' messages into `outcome` until every worker has finished, or one failed,
+    died without reporting, or the deadline passed (`hang_report` names who hung)."""
+    nprocs = len(procs)
+    while len(outcome.finished) < nprocs and outcome.error is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            outcome.error, outcome.details = hang_report([r for r in range(nprocs) if r not in outcome.finished])
+            return
+        try:
+            kind, rank, payload = messages.get(timeout=min(0.2, left))
+        except queue.Empty:  # nothing pending: a worker that has exited without reporting is dead
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in outcome.finished]
+            if dead:
+                outcome.error = (f"worker {dead[0]} died with exit code {procs[dead[0]].exitcode} without reporting "
+                                 "(if it failed while starting: a script that calls launch needs "
+                                 "`if __name__ == '__main__':`)")
+            continue
+        show(kind, rank, payload)
+        outcome.take(kind, rank, payload)
+
+
+def _wind_down(nprocs: int, started: list, messages, outcome: _Outcome, deadline: float, show: Callable) -> None:
+    """Let finished workers exit (reading their last lines meanwhile), stop the others and every
+    worker's process group, and drain the queue; a worker that died silently is named in the error
+    first, as the cause of its peers' errors (e.g. "Connection reset by peer")."""
+    grace = time.monotonic() + (5.0 if outcome.error is None and len(outcome.finished) == nprocs else 0.5)
+    while time.monotonic() < min(grace, deadline + 1.0) and any(p.is_alive() for p in started):
+        try:
+            show(*messages.get(timeout=0.05))
+        except queue.Empty:
+            pass
+    silent = [f"worker {r} died with exit code {p.exitcode} without reporting"
+              for r, p in enumerate(started) if p.exitcode not in (None, 0) and r not in outcome.finished]
+    if outcome.error is not None and silent and not outcome.error.startswith(silent[0]):
+        outcome.error = "; ".join(silent) + "; then " + outcome.error
+    _stop_groups(started)
+    while True:  # drain, so the queue's feeder thread can exit
+        try:
+            show(*messages.get_nowait())
+        except (queue.Empty, EOFError, OSError):
+            break
+    messages.close()
+
+
 def launch(fn, nprocs: int, *args, backend: str | None = None, timeout_s: float = 1800.0,
            prefix_output: bool = True):
     """Run `fn(*args)` in `nprocs` fresh processes joined in one group; return rank 0's result.
@@ -173,62 +248,20 @@ def launch(fn, nprocs: int, *args, backend: str | None = None, timeout_s: float 
     stack_files = [stacks / f"rank{r}.txt" for r in range(nprocs)]
     procs = [ctx.Process(target=_worker, args=(r, nprocs, port, backend, timeout_s, fn, args, messages,
                                                 os.getpid(), str(stack_files[r]))) for r in range(nprocs)]
-
-    def show(kind: str, rank: int, payload) -> None:
-        if kind == "line":
-            print(f"[rank {rank}] {payload}" if prefix_output else payload, flush=True)
-
-    result, finished, error, details, started = None, set(), None, "", []
+    show = functools.partial(_show, prefix_output)
+    outcome, started = _Outcome(), []
     try:
         for p in procs:
             p.start()
             started.append(p)
-        while len(finished) < nprocs and error is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                error, details = _hang_report(procs, [r for r in range(nprocs) if r not in finished],
-                                              stack_files, timeout_s)
-                break
-            try:
-                kind, rank, payload = messages.get(timeout=min(0.2, left))
-            except queue.Empty:  # nothing pending: a worker that has exited without reporting is dead
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in finished]
-                if dead:
-                    error = (f"worker {dead[0]} died with exit code {procs[dead[0]].exitcode} without reporting "
-                             "(if it failed while starting: a script that calls launch needs `if __name__ == '__main__':`)")
-                continue
-            show(kind, rank, payload)
-            if kind == "error":
-                error, details = f"worker {rank} failed: {payload.strip().splitlines()[-1]}", payload
-                finished.add(rank)
-            elif kind == "result":
-                finished.add(rank)
-                if rank == 0:
-                    result = pickle.loads(payload)
+        _collect(procs, messages, outcome, deadline, show,
+                 lambda unfinished: _hang_report(procs, unfinished, stack_files, timeout_s))
     finally:
-        # let finished workers exit (reading their last lines meanwhile); stop the others now
-        grace = time.monotonic() + (5.0 if error is None and len(finished) == nprocs else 0.5)
-        while time.monotonic() < min(grace, deadline + 1.0) and any(p.is_alive() for p in started):
-            try:
-                show(*messages.get(timeout=0.05))
-            except queue.Empty:
-                pass
-        # a worker that died silently is the cause of its peers' errors (e.g. "Connection reset by peer")
-        silent = [f"worker {r} died with exit code {p.exitcode} without reporting"
-                  for r, p in enumerate(started) if p.exitcode not in (None, 0) and r not in finished]
-        if error is not None and silent and not error.startswith(silent[0]):
-            error = "; ".join(silent) + "; then " + error
-        _stop_groups(started)
-        while True:  # drain, so the queue's feeder thread can exit
-            try:
-                show(*messages.get_nowait())
-            except (queue.Empty, EOFError, OSError):
-                break
-        messages.close()
+        _wind_down(nprocs, started, messages, outcome, deadline, show)
         shutil.rmtree(stacks, ignore_errors=True)
-    if error is not None:
-        raise WorkerError(error, details)
-    return result
+    if outcome.error is not None:
+        raise WorkerError(outcome.error, outcome.details)
+    return outcome.result
 
 
 def process_report() -> list[dict] | None:
