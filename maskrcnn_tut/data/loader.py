@@ -313,9 +313,11 @@ def _disarm_half_made_iterator(err: BaseException) -> None:
 
 
 def _end_workers(loader: DataLoader, batches) -> None:
-    """End a failed iterator's workers now, not at a garbage collection (the error's traceback holds the
-    iterator in a cycle, the loader holds persistent ones): torch's own shutdown, as Lightning calls it."""
-    if hasattr(batches, "_shutdown_workers"):  # absent with workers=0
+    """End a failed iterator's workers now. The error's traceback holds the iterator in a reference
+    cycle (and the loader keeps persistent workers' iterator), so they would live on until a garbage
+    collection: in a notebook, beside the next processes it starts. torch's own shutdown, as
+    PyTorch Lightning calls it; absent with `workers=0`."""
+    if hasattr(batches, "_shutdown_workers"):
         batches._shutdown_workers()
     if getattr(loader, "_iterator", None) is batches:
         loader._iterator = None
