@@ -21,17 +21,16 @@ import inspect
 
 import torchvision
 
-from . import wording
-from .wording import FASTER, SLOWER
+from .wording import FASTER, SLOWER, say
 
 
-def _say(entry: str, **values) -> str:
-    return wording.say(f"machine_findings.{entry}", **values)
+def _count(one: str, many: str, n: int) -> str:
+    """The entry `one` or `many` ("1 thread", "4 threads") of the catalog, by `n`."""
+    return say(many if n > 1 else one, n=n)
 
 
-def _count(entry: str, n: int) -> str:
-    """`entry_one` or `entry_many` ("1 thread", "4 threads") of the catalog, by `n`."""
-    return _say(f"{entry}_{'many' if n > 1 else 'one'}", n=n)
+#: The sizes a cudnn sweep ran, by kind, as the verdict names them.
+SIZES = {"fixed": "machine_findings.sizes_fixed", "varying": "machine_findings.sizes_varying"}
 
 
 def benchmark_verdict(found: dict, steps: int, bound: int) -> str:
@@ -39,19 +38,19 @@ def benchmark_verdict(found: dict, steps: int, bound: int) -> str:
     kind of image sizes, on against off at the median step and over every step; on a CPU, what a
     GPU would measure instead (the sweep has no benchmark rows there)."""
     if found["benchmark"] is None:
-        return _say("benchmark_no_gpu", bound=bound)
+        return say("machine_findings.benchmark_no_gpu", bound=bound)
     sentences = []
     for kind, (median, every) in found["benchmark"].items():
-        sizes = _say(f"sizes_{kind}")
+        sizes = say(SIZES[kind])
         if median != FASTER:
-            sentences.append(_say("benchmark_no_faster", sizes=sizes,
-                                  how=_say("was_slower" if median == SLOWER else "was_no_faster")))
+            sentences.append(say("machine_findings.benchmark_no_faster", sizes=sizes,
+                             how=say("machine_findings.was_slower" if median == SLOWER else "machine_findings.was_no_faster")))
         elif every == FASTER:
-            sentences.append(_say("benchmark_paid", sizes=sizes, steps=steps))
+            sentences.append(say("machine_findings.benchmark_paid", sizes=sizes, steps=steps))
         else:
-            sentences.append(_say("benchmark_not_repaid", sizes=sizes, steps=steps, bound=bound,
-                                  how=_say("was_slower" if every == SLOWER else "was_no_faster")))
-    return _say("sep").join(sentences)
+            sentences.append(say("machine_findings.benchmark_not_repaid", sizes=sizes, steps=steps, bound=bound,
+                             how=say("machine_findings.was_slower" if every == SLOWER else "machine_findings.was_no_faster")))
+    return say("machine_findings.sep").join(sentences)
 
 
 def roi_align_compiles_when_deterministic() -> bool:
@@ -67,12 +66,15 @@ def determinism(hw: dict, repeated: bool, threads: int, compiled_roi_align: bool
     torchvision has it (`compiled_roi_align`, default: the installed one), warnings for the rest."""
     compiled = roi_align_compiles_when_deterministic() if compiled_roi_align is None else compiled_roi_align
     if hw["gpus"]:
-        opening = _say("opening_gpus", gpus=_count("gpus", len(hw["gpus"])))
+        gpus = _count("machine_findings.gpus_one", "machine_findings.gpus_many", len(hw["gpus"]))
+        opening = say("machine_findings.opening_gpus", gpus=gpus)
     else:
-        opening = _say("opening_cpu", threads=_count("threads", threads),
-                       seen=_say("cpu_repeated" if repeated else "cpu_not_repeated"))
+        opening = say("machine_findings.opening_cpu",
+                      threads=_count("machine_findings.threads_one", "machine_findings.threads_many", threads),
+                      seen=say("machine_findings.cpu_repeated" if repeated else "machine_findings.cpu_not_repeated"))
     version = torchvision.__version__.split("+")[0]
-    return _say("determinism", opening=opening, roi=_say("roi_compiled" if compiled else "roi_atomic", version=version))
+    roi = say("machine_findings.roi_compiled" if compiled else "machine_findings.roi_atomic", version=version)
+    return say("machine_findings.determinism", opening=opening, roi=roi)
 
 
 def workers_and_cores(hw: dict, workers: int) -> str:
@@ -82,34 +84,37 @@ def workers_and_cores(hw: dict, workers: int) -> str:
     cores, gpus = hw["cores"], len(hw["gpus"])
     if not gpus:
         share = min(1.0, workers / cores)
-        return _say("workers_cpu", cores=cores, workers=workers, share=share,
-                    change=_say("bars_grow" if share >= 0.25 else "bars_barely_change"))
+        return say("machine_findings.workers_cpu", cores=cores, workers=workers, share=share,
+                   change=say("machine_findings.bars_grow" if share >= 0.25 else "machine_findings.bars_barely_change"))
     busy = gpus * (workers + 1)
-    return _say("workers_gpus_fit" if busy <= cores else "workers_gpus_short", cores=cores, workers=workers,
-                busy=busy, processes=_count("processes", gpus))
+    return say("machine_findings.workers_gpus_fit" if busy <= cores else "machine_findings.workers_gpus_short",
+               cores=cores, workers=workers, busy=busy,
+               processes=_count("machine_findings.processes_one", "machine_findings.processes_many", gpus))
 
 
 def autocast_small_images(ratio: float, size: int, weight_copies_mib: float) -> str:
     """Chapter 1: autocast's activations at the smallest image size counted, as a share of fp32's;
     the half-precision weight copies explain a share above 100 % and only then."""
-    return _say("copies_outweigh" if ratio > 1 else "savings_outweigh", size=size, ratio=ratio,
-                mib=weight_copies_mib)
+    return say("machine_findings.copies_outweigh" if ratio > 1 else "machine_findings.savings_outweigh",
+               size=size, ratio=ratio, mib=weight_copies_mib)
 
 
 def tf32(capability: tuple[int, int] | None) -> str:
     """Chapter 5: whether this machine's "fp32" rows are TF32; the book's tools keep TF32 on."""
-    tools = _say("tf32_tools")
+    tools = say("machine_findings.tf32_tools")
     if capability and capability >= (8, 0):
-        return _say("tf32_on", tools=tools)
+        return say("machine_findings.tf32_on", tools=tools)
     if capability:
-        return _say("tf32_none")
-    return _say("tf32_cpu", tools=tools)
+        return say("machine_findings.tf32_none")
+    return say("machine_findings.tf32_cpu", tools=tools)
 
 
 def first_run(ap50: float, losses: list[float]) -> dict:
     """Chapter 10: what a short run reached. `learned`: a sentence on its mask AP50; `trend`: the
     logged loss's last value against its first, "still falling" only when it fell."""
-    learned = _say("learned_nothing" if ap50 <= 0.0 else "learned_started" if ap50 < 0.5 else "learned_most")
+    learned = say("machine_findings.learned_nothing" if ap50 <= 0.0 else "machine_findings.learned_started"
+                  if ap50 < 0.5 else "machine_findings.learned_most")
     fell = losses[-1] < losses[0]
-    trend = _say("trend", how=_say("still_falling" if fell else "not_lower"), last=losses[-1], first=losses[0])
+    how = say("machine_findings.still_falling" if fell else "machine_findings.not_lower")
+    trend = say("machine_findings.trend", how=how, last=losses[-1], first=losses[0])
     return {"learned": learned, "trend": trend, "fell": fell}

@@ -29,17 +29,13 @@ from ..hardware import gpu_count
 from . import wording
 
 
-def _say(entry: str, **values) -> str:
-    return wording.say(f"nvml.{entry}", **values)
-
-
 class GpuUnavailable(RuntimeError):
     """NVML cannot read the run's GPUs here; the message says why. `entry` and `values` word it
     again in the language of whoever shows it (a sampler kept by the figure cache)."""
 
     def __init__(self, entry: str, **values):
         self.entry, self.values = entry, {k: v if isinstance(v, (int, str)) else str(v) for k, v in values.items()}
-        super().__init__(_say(entry, **self.values))
+        super().__init__(wording.say(entry, **self.values))
 
 
 def run_cuda_devices() -> list[int]:
@@ -80,7 +76,7 @@ def nvml_indices(cuda_devices: Sequence[int], nvml, handles: list) -> list[int]:
         uuid, pci = cuda_device_ids(index)
         number = by_uuid.get(uuid, by_pci.get(pci))
         if number is None:
-            raise GpuUnavailable("not_listed", index=index, uuid=uuid, count=len(handles))
+            raise GpuUnavailable("nvml.not_listed", index=index, uuid=uuid, count=len(handles))
         found.append(number)
     return found
 
@@ -93,11 +89,11 @@ def nvml_session(nvml=None):
         try:
             import pynvml as nvml
         except ImportError as err:
-            raise GpuUnavailable("no_pynvml") from err
+            raise GpuUnavailable("nvml.no_pynvml") from err
     try:
         nvml.nvmlInit()
     except Exception as err:  # pynvml.NVMLError: no library, no driver, no permission
-        raise GpuUnavailable("no_driver", err=err) from err
+        raise GpuUnavailable("nvml.no_driver", err=err) from err
     try:
         yield nvml
     finally:
@@ -108,7 +104,7 @@ def cuda_handles(nvml, cuda_devices: Sequence[int]) -> list[tuple[int, int, obje
     """(CUDA index, NVML index, NVML handle) of each CUDA device, in an open `nvml_session`."""
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
     if not handles:
-        raise GpuUnavailable("no_gpu_reported")
+        raise GpuUnavailable("nvml.no_gpu_reported")
     numbers = nvml_indices(cuda_devices, nvml, handles)
     return [(cuda, number, handles[number]) for cuda, number in zip(cuda_devices, numbers)]
 
@@ -121,7 +117,7 @@ class NvmlReader:
 
     def __init__(self, cuda_devices: Sequence[int], nvml=None):
         if not cuda_devices:
-            raise GpuUnavailable("no_gpu_used", device=du.info().device.type)
+            raise GpuUnavailable("nvml.no_gpu_used", device=du.info().device.type)
         self._session = contextlib.ExitStack()
         self.nvml = self._session.enter_context(nvml_session(nvml))
         try:
@@ -173,7 +169,7 @@ class GPUSampler:
     @property
     def reason(self) -> str:
         """Why it samples nothing, in the book's language ("" when it samples)."""
-        return "" if self.unavailable is None else _say(self.unavailable.entry, **self.unavailable.values)
+        return "" if self.unavailable is None else wording.say(self.unavailable.entry, **self.unavailable.values)
 
     def start(self) -> GPUSampler:
         try:
@@ -243,15 +239,15 @@ class GPUSampler:
 
     def describe(self) -> str:
         if not self.available:
-            return _say("sampler", reason=self.reason)
-        return "; ".join(_say("busy", name=gpu_name(g), util=g["util_mean"], used=g["mem_used_max_mb"],
+            return wording.say("nvml.sampler", reason=self.reason)
+        return "; ".join(wording.say("nvml.busy", name=gpu_name(g), util=g["util_mean"], used=g["mem_used_max_mb"],
                               total=g["mem_total_mb"], samples=g["samples"]) for g in self.summary())
 
 
 def gpu_name(gpu: dict) -> str:
     """'GPU 0', with nvidia-smi's number beside it where the two differ (CUDA_VISIBLE_DEVICES)."""
     number = gpu.get("nvml_index", gpu["gpu"])
-    return f"GPU {gpu['gpu']}" if number == gpu["gpu"] else _say("smi_name", gpu=gpu["gpu"], number=number)
+    return f"GPU {gpu['gpu']}" if number == gpu["gpu"] else wording.say("nvml.smi_name", gpu=gpu["gpu"], number=number)
 
 
 def _nvml_value(call, *args, default=None):
@@ -279,23 +275,23 @@ def _health(nvml, handle) -> dict:
     exclusive = _nvml_value(nvml.nvmlDeviceGetComputeMode, handle) == 3  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
     problems = []
     if exclusive:
-        problems.append(_say("exclusive"))
+        problems.append(wording.say("nvml.exclusive"))
     if ecc:
-        problems.append(_say("ecc", ecc=ecc))
+        problems.append(wording.say("nvml.ecc", ecc=ecc))
     # idle (0x1) and applications-clocks setting (0x2) are normal; the rest slows the GPU
     if throttle and throttle & ~0x3:
-        problems.append(_say("throttle", mask=throttle))
+        problems.append(wording.say("nvml.throttle", mask=throttle))
     if temp is not None and temp >= 85:
         problems.append(f"{temp} °C")
     if width and max_width and width < max_width and gen and max_gen and gen < max_gen:
-        problems.append(_say("pcie", gen=gen, width=width, max_gen=max_gen, max_width=max_width))
+        problems.append(wording.say("nvml.pcie", gen=gen, width=width, max_gen=max_gen, max_width=max_width))
     return {"name": name, "temperature C": temp,
             "power W": power / 1000 if power is not None else None,
             "power limit W": limit / 1000 if limit is not None else None,
             "memory used MiB": memory.used / 2**20 if memory else None,
             "memory MiB": memory.total / 2**20 if memory else None,
             "uncorrected ECC": ecc, "PCIe": f"gen {gen} x{width}" if gen else None, "exclusive": exclusive,
-            "ok": not problems, "finding": "; ".join(problems) or _say("healthy")}
+            "ok": not problems, "finding": "; ".join(problems) or wording.say("nvml.healthy")}
 
 
 def gpu_health(nvml=None, cuda_devices: Sequence[int] | None = None) -> list[dict]:

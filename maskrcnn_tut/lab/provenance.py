@@ -34,10 +34,6 @@ from . import wording
 from .nvml import nvlink_links
 
 
-def _say(entry: str, **values) -> str:
-    return wording.say(f"provenance.{entry}", **values)
-
-
 def _term(text: str) -> str:
     return wording.term(text)
 
@@ -68,7 +64,7 @@ def cudnn_version() -> str:
         return _term("not available")
     number = torch.backends.cudnn.version()  # major * 10000 + minor * 100 + patch (cuDNN 9)
     version = f"{number // 10000}.{number % 10000 // 100}.{number % 100}"
-    return version if torch.cuda.is_available() else _say("cudnn_unused", version=version)
+    return version if torch.cuda.is_available() else wording.say("provenance.cudnn_unused", version=version)
 
 
 def versions() -> dict[str, str | None]:
@@ -96,8 +92,8 @@ def environment_report() -> list[dict[str, str]]:
     hw = hardware()
     quota = cgroup_cpu_limit()
     isa = torch.backends.cpu.get_cpu_capability()
-    rows = [("CPU", _say("cpu_row", cpu=hw["cpu"], cores=hw["cores"], isa=isa) if quota is None else
-             _say("cpu_row_quota", cpu=hw["cpu"], cores=hw["cores"], quota=quota, isa=isa)),
+    rows = [("CPU", wording.say("provenance.cpu_row", cpu=hw["cpu"], cores=hw["cores"], isa=isa) if quota is None else
+             wording.say("provenance.cpu_row_quota", cpu=hw["cpu"], cores=hw["cores"], quota=quota, isa=isa)),
             ("RAM", f"{hw['ram_gb']:.1f} GB" if hw["ram_gb"] else _term("unknown")),
             ("GPUs", ", ".join(f"{n} ({m:.0f} GB)" for n, m in zip(hw["gpus"], hw["gpu_memory_gb"]))
              or _term("none visible"))]
@@ -105,11 +101,11 @@ def environment_report() -> list[dict[str, str]]:
     if count > 1:
         pairs = [(i, j) for i in range(count) for j in range(count) if i != j]
         peer = sum(torch.cuda.can_device_access_peer(i, j) for i, j in pairs)
-        rows.append(("P2P access", _say("p2p", peer=peer, pairs=len(pairs))))
+        rows.append(("P2P access", wording.say("provenance.p2p", peer=peer, pairs=len(pairs))))
     if count:
         links = nvlink_links(range(count))
         rows.append(("NVLink", _term("unknown (NVML unavailable)") if links is None
-                     else ", ".join(_say("nvlink", gpu=i, links=n) for i, n in enumerate(links))))
+                     else ", ".join(wording.say("provenance.nvlink", gpu=i, links=n) for i, n in enumerate(links))))
     v = versions()
     rows += [("Python", v["python"]),
              ("PyTorch / torchvision", f"{v['torch']} / {v['torchvision']}"),
