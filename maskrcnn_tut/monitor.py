@@ -11,7 +11,7 @@ across ranks, so none of them runs a collective):
 Images per second, from one clock (`StepRecord.iter_time`, host time around a step) but several
 figures, each under its own name and defined here once: `img_per_s_mean` (all steps, slow ones
 included: `metrics.jsonl`'s `img_per_s` over a print window), `img_per_s_median` (a benchmark's
-figure; the lab's `bench.cache` adds its spread) and `img_per_s_wall` (a whole loop's
+figure; the lab's `stored.across_builds` adds its spread) and `img_per_s_wall` (a whole loop's
 wall time, evaluations and checkpoint saves included: train.py's summary).
 
 `metrics_row(records, ...)` is the row of `metrics.jsonl` for some steps (the logger's window, or

@@ -23,17 +23,17 @@ PYTHON = sys.executable
 
 def pytest_configure(config):
     """One figure-cache session for the run: the Japanese chapters read what the English ones measured
-    (lab/figures.py); removed when the run ends."""
-    from maskrcnn_tut.lab import figures
+    (lab/stored/within_build.py); removed when the run ends."""
+    from maskrcnn_tut.lab.stored import within_build
 
-    inherited = figures.session_dir()
-    config.figures_session = None if inherited else figures.start_session()
+    inherited = within_build.session_dir()
+    config.figures_session = None if inherited else within_build.start_session()
 
 
 def pytest_unconfigure(config):
-    from maskrcnn_tut.lab import figures
+    from maskrcnn_tut.lab.stored import within_build
 
-    figures.end_session(getattr(config, "figures_session", None))
+    within_build.end_session(getattr(config, "figures_session", None))
 
 
 def pytest_addoption(parser):

@@ -3,8 +3,10 @@
 It imports the training core (`maskrcnn_tut`); the core never imports it (tests/test_layers.py).
 
 - `bench/`: the speed table, one sweep per technique, the fast path, the loop's overhead, time to
-  accuracy, COCO-scale start-up, scaling on paper, the GPU suite; results with provenance and a
-  figure cache shared by chapters.
+  accuracy, COCO-scale start-up, scaling on paper, the GPU suite.
+- `stored/`: what a measurement keeps and for how long: `result` (`BenchResult`, with provenance),
+  `across_builds` (`cached`: each benchmark once per hardware and code, on disk) and `within_build`
+  (`once`: each figure once per build, which the Japanese chapters read back).
 - `processes`: `launch(fn, n)`, small process groups started from a notebook cell.
 - `provenance`: this machine and its software in words, as every results file records them, and
   chapter 2's environment report (the facts underneath are the core's `hardware`).
@@ -20,6 +22,5 @@ It imports the training core (`maskrcnn_tut`); the core never imports it (tests/
   distributed work on a hub, a stalled rank diagnosed; `dataparallel`: DataParallel for detection
   lists; `synthetic`: synthetic batches.
 - `book`, `dashboard`: the chapters' display helpers and the live training view.
-- `wording` (with `prose/`), `book_fonts`: the two editions' words and the Japanese pages' font;
-  `figures`: one measurement of each figure per build, which the Japanese chapters read back.
+- `wording` (with `prose/`), `book_fonts`: the two editions' words and the Japanese pages' font.
 """

@@ -34,9 +34,9 @@ import torch
 from .. import distributed as du
 from ..config import Config, default_preset, make_config
 from . import wording
-from .bench import markdown_table
 from .provenance import hardware, hardware_label
 from .rig import shapes_config, shapes_dataset
+from .stored.result import markdown_table
 from .wording import english, say, shown, shown_rows, term
 
 #: `book/results/`: results measured on other machines, read by both editions' chapters wherever they run.

@@ -34,10 +34,10 @@ from ..engine import autocast, autocast_dtype, build_optimizer
 from ..hardware import peak_memory_mb
 from ..model import build_model
 from .bench.harness import environment
-from .bench.results import BenchResult, python_call, register_plot
 from .device_memory import current_memory_mb, releases_gpu_cache, reset_peak_memory
 from .provenance import provenance
 from .rig import Rig, build_rig, synthetic_batches
+from .stored.result import BenchResult, python_call, register_plot
 from .synthetic import synthetic_batch
 from .wording import english, shown, term
 
@@ -169,7 +169,7 @@ def measure_growth(cfg: Config, image_size: int, batch_size: int, steps: int = 2
 def memory_table(preset: str = "gpu-r50", image_sizes: tuple[int, ...] = (256, 512, 800, 1024),
                  batch_sizes: tuple[int, ...] = (1, 2, 4, 8), measure_sizes: tuple[int, ...] | None = None,
                  gpu_memory_gb: float = ARTICLE_GPU_GB, **overrides):
-    """Memory by image size and batch for `preset` (module doc); returns a `bench.BenchResult`.
+    """Memory by image size and batch for `preset` (module doc); returns a `BenchResult`.
 
     `measure_sizes`: sizes whose activations are counted (batch 1); the others are fitted as
     a + b x pixels per image. Default: every size on a GPU, 192 and 320 px on a CPU.

@@ -22,9 +22,10 @@ from __future__ import annotations
 import statistics
 
 from . import wording
-from .bench import interval, machine_busy, spread_text
+from .bench import interval
 from .bench.projection import devices_used
-from .bench.results import row_label
+from .stored.across_builds import machine_busy, spread_text
+from .stored.result import row_label
 from .wording import FASTER, NO_SPREAD, SLOWER, WITHIN_NOISE, say, shown
 
 #: The verdict of a scaling figure measured while other work kept the machine busy.

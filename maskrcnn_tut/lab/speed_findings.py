@@ -20,7 +20,8 @@ import statistics
 from dataclasses import dataclass
 
 from . import wording
-from .bench import NO_DIFFERENCE, machine_busy, timing_row, versus
+from .bench import NO_DIFFERENCE, versus
+from .stored.across_builds import machine_busy, timing_row
 from .wording import FASTER, NO_SPREAD, SLOWER, WITHIN_NOISE, Comparison
 
 #: The loader sweep's verdict when workers gained more than the data share of a step allows.

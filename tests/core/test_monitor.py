@@ -24,9 +24,9 @@ from maskrcnn_tut.engine import (
 )
 from maskrcnn_tut.hardware import peak_memory_mb
 from maskrcnn_tut.lab import processes
-from maskrcnn_tut.lab.bench.cache import img_per_s_quartiles
 from maskrcnn_tut.lab.device_memory import reset_peak_memory
 from maskrcnn_tut.lab.proofs import TinyDetector, toy_batches
+from maskrcnn_tut.lab.stored.across_builds import img_per_s_quartiles
 from maskrcnn_tut.monitor import (
     StragglerCheck,
     img_per_s_mean,

@@ -18,6 +18,7 @@ from maskrcnn_tut import config, engine
 from maskrcnn_tut.errors import BenchError
 from maskrcnn_tut.lab import bench, provenance, rig
 from maskrcnn_tut.lab.bench import sweeps
+from maskrcnn_tut.lab.stored.result import BenchResult
 
 TINY = dict(min_size=64, max_size=96, batch_size=2)
 
@@ -50,7 +51,7 @@ def test_table_from_the_shell_writes_json_with_provenance(tmp_path):
                "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = bench.BenchResult.load(out)
+    result = BenchResult.load(out)
     setups = [row["setup"] for row in result.rows]
     assert setups[0].startswith("Single (1 process x 1 thread)") and setups[-1] == "2 processes without gradient all-reduce"
     assert any(s.startswith("DP(2)") for s in setups)
@@ -93,9 +94,9 @@ def test_knob_note_compares_rows_that_differ_only_in_that_knob():
 
 
 def test_result_round_trips_and_renders(tmp_path):
-    result = bench.BenchResult("amp", "AMP", [{"setting": "fp32", "img/s": 2.0, "peak MiB/device": 900.0}],
+    result = BenchResult("amp", "AMP", [{"setting": "fp32", "img/s": 2.0, "peak MiB/device": 900.0}],
                                bench.SWEEP_COLUMNS, ["bf16 skipped: no bf16 instructions"], provenance.provenance("test"))
-    again = bench.BenchResult.load(result.save(tmp_path / "r.json"))
+    again = BenchResult.load(result.save(tmp_path / "r.json"))
     assert again == result
     assert "| fp32 | 2 |" in again.to_markdown() and "- bf16 skipped" in again.to_markdown()
     plt.close(again.plot())

@@ -6,7 +6,7 @@ import pytest
 
 from maskrcnn_tut.lab import book
 from maskrcnn_tut.lab.bench import projection
-from maskrcnn_tut.lab.bench.results import BenchResult
+from maskrcnn_tut.lab.stored.result import BenchResult
 
 
 def test_the_article_table_taken_apart():

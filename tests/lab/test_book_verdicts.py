@@ -12,7 +12,7 @@ from fake_gpus import FakeNvml, host
 
 from maskrcnn_tut.config import make_config
 from maskrcnn_tut.lab import article, book, machine_findings, provenance, speed_findings, timeline
-from maskrcnn_tut.lab.bench import BenchResult
+from maskrcnn_tut.lab.stored.result import BenchResult
 from maskrcnn_tut.lab.wording import FASTER, SLOWER, WITHIN_NOISE
 
 REPO = Path(__file__).resolve().parents[2]

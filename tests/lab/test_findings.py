@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from maskrcnn_tut.lab import scale_findings, speed_findings, wording
-from maskrcnn_tut.lab.bench import NO_DIFFERENCE, BenchResult
+from maskrcnn_tut.lab.bench import NO_DIFFERENCE
+from maskrcnn_tut.lab.stored.result import BenchResult
 from maskrcnn_tut.lab.wording import FASTER, NO_SPREAD, SLOWER, WITHIN_NOISE, english
 
 

@@ -19,7 +19,7 @@ import torch
 from maskrcnn_tut.errors import BenchError
 from maskrcnn_tut.lab import bench, processes
 from maskrcnn_tut.lab.bench import gpu, harness
-from maskrcnn_tut.lab.bench.cache import timing_row
+from maskrcnn_tut.lab.stored.across_builds import timing_row
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 BENCH_MINUTES = 3.5  # the suite's minutes in the first H200 check (2026-12-04)

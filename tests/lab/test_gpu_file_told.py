@@ -10,7 +10,8 @@ import re
 import pytest
 
 from maskrcnn_tut.lab import bench, book, wording
-from maskrcnn_tut.lab.bench import BenchResult, gpu_files
+from maskrcnn_tut.lab.bench import gpu_files
+from maskrcnn_tut.lab.stored.result import BenchResult, load_suite
 
 H200 = book.RESULTS / "1x-nvidia-h200-2026-12-04.json"
 LABEL = {"en": "dominated by first-shape steps", "ja": "新しい形状のステップが大半を占める"}
@@ -95,7 +96,7 @@ def test_the_file_says_what_it_cannot_show_and_how_its_cudnn_part_ended(h200_onl
 
 
 def test_the_slow_steps_and_their_share_come_from_the_file():
-    _, parts, _ = bench.load_suite(H200)
+    _, parts, _ = load_suite(H200)
     fp32, fp16, bf16 = parts["amp"].rows
     assert gpu_files.slow_steps(fp32) == (6, pytest.approx(0.60, abs=0.01))
     assert gpu_files.slow_steps(fp16) == (2, pytest.approx(0.84, abs=0.01))

@@ -12,7 +12,7 @@ import pytest
 
 from maskrcnn_tut.lab import book, dashboard, diagrams, timeline, trace_plots, wording
 from maskrcnn_tut.lab.bench import projection
-from maskrcnn_tut.lab.bench.results import BenchResult
+from maskrcnn_tut.lab.stored.result import BenchResult
 from maskrcnn_tut.lab.traces import DATA, FORWARD, STEP, DDPTrace
 from maskrcnn_tut.lab.wording import english
 
@@ -244,8 +244,8 @@ def test_machine_words_follow_the_language_but_provenance_stays_english(both, mo
 
 
 def test_bench_and_gpu_sentences(both):
-    from maskrcnn_tut.lab.bench import describe_cache, machine_busy, spread_text
     from maskrcnn_tut.lab.nvml import GPUSampler
+    from maskrcnn_tut.lab.stored.across_builds import describe_cache, machine_busy, spread_text
     busy = BenchResult("t", "t", [], [], [], {"cache": {"other load": 0.35, "hit": True, "measured": "2026-01-02T03:04",
                                                         "file": "/tmp/t.json"}})
     reading = [{"gpu": 0, "nvml_index": 3, "util": 30.0, "mem_used_mb": 4096.0, "mem_total_mb": 81920.0}]

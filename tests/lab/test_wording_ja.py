@@ -22,7 +22,7 @@ from maskrcnn_tut.lab import (
     traces,
     wording,
 )
-from maskrcnn_tut.lab.bench import BenchResult
+from maskrcnn_tut.lab.stored.result import BenchResult
 from maskrcnn_tut.lab.wording import FASTER, SLOWER, WITHIN_NOISE, english, shown
 
 #: The lab modules whose prose is `wording.say("<module>.<entry>")` of prose/<module>.json.

@@ -1,6 +1,6 @@
 """Benchmarks: the article's speed table and the technique sweeps, measured on this machine.
 
-API (each returns a `BenchResult`: `.rows`, `.row(prefix)`, `.notes`, `.provenance`,
+API (each returns a `BenchResult` of `lab.stored.result`: `.rows`, `.row(prefix)`, `.notes`, `.provenance`,
 `.to_markdown()`, `.plot()`, `.save(path)`; `BenchResult.load(path)` reads one back). The shell
 runs the same functions: `python -m maskrcnn_tut.lab.bench NAME [--out FILE] [--plot PNG]`.
 
@@ -37,28 +37,21 @@ provenance (`provenance.provenance`: CPU, cores, GPUs, torch / CUDA / cuDNN / NC
 command) and say when a knob made no difference here, and why. Every public function also takes
 Config fields as keyword overrides (`table(batch_size=8)`, `sweep_amp(min_size=96)`).
 
-Modules: `harness` (the measurement and its worker processes), `results` (BenchResult, its table,
-plots and files), `scaling` (the speed table, `table`), `sweeps`, `gpu` (the GPU suite), `gpu_files` (its
-committed files, labelled and worded for the chapters), `cli` (the shell),
-`overhead`, `pipeline` (the loop with its loader), `accuracy` (time to accuracy), `profile` (what a step's host time goes to),
-`cache` (`cached(fn, **args)`: each figure measured once per hardware and code, with its spread),
+Modules: `harness` (the measurement and its worker processes), `scaling` (the speed table,
+`table`), `sweeps`, `gpu` (the GPU suite), `gpu_files` (its committed files, labelled and worded for
+the chapters), `cli` (the shell), `overhead`, `pipeline` (the loop with its loader), `accuracy` (time
+to accuracy), `profile` (what a step's host time goes to),
 `projection` (the article's table taken apart, scaling on paper, `scaling_curve`, days for COCO),
 `coco_scale` (start-up time and memory at COCO scale), `peer` (the package beside torchvision's detection
 reference, same data and machine, both in steady state), `shown` (what a result records is English,
 in files, the cache and the shell; `shown(text)` reads it back in the book's language, as
 `BenchResult.to_markdown`, its plots and `book.show_table` do). `single_device_speed()` is one
-device's speed (chapter 1).
+device's speed (chapter 1). What a benchmark returns and the caches that keep it are in `lab/stored/`
+(`result`, `across_builds.cached`, `within_build.once`).
 """
 from ..wording import above, interval, versus
 from . import gpu_files, projection
 from .accuracy import time_to_accuracy
-from .cache import (
-    cached,
-    describe_cache,
-    machine_busy,
-    spread_text,
-    timing_row,
-)
 from .cli import build_parser, main
 from .gpu import gpu_suite
 from .gpu_files import show_gpu_results
@@ -80,7 +73,6 @@ from .harness import (
 from .overhead import overhead
 from .pipeline import pipeline, worker_cost, workers_alone
 from .projection import scaling_curve
-from .results import BenchResult, load_suite, markdown_table, python_call, results_path
 from .scaling import CPU_TABLE_BATCH, TABLE_COLUMNS, single_device_speed, table
 from .sweeps import (
     NO_DIFFERENCE,
@@ -97,13 +89,13 @@ from .sweeps import (
 )
 
 __all__ = [
-    "BENCH_SHAPES", "CPU_TABLE_BATCH", "NO_DIFFERENCE", "SWEEPS", "SWEEP_COLUMNS", "TABLE_COLUMNS", "BenchResult",
+    "BENCH_SHAPES", "CPU_TABLE_BATCH", "NO_DIFFERENCE", "SWEEPS", "SWEEP_COLUMNS", "TABLE_COLUMNS",
     "Measurement", "bench_config", "bench_dataset", "build_parser", "environment", "gpu_suite", "knob_note",
-    "launch_measure", "load_suite", "main", "markdown_table", "measure", "measure_worker", "multiscale_sizes",
+    "launch_measure", "main", "measure", "measure_worker", "multiscale_sizes",
     "overhead", "pipeline", "worker_cost", "workers_alone",
-    "pin_cores", "python_call", "results_path", "show_gpu_results", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
+    "pin_cores", "show_gpu_results", "sweep_accum", "sweep_amp", "sweep_channels_last", "sweep_cudnn",
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
-    "above", "cached", "describe_cache", "gpu_files", "interval", "machine_busy", "projection", "scaling_curve",
-    "spread_text", "timing_row", "versus",
+    "above", "gpu_files", "interval", "projection", "scaling_curve",
+    "versus",
     "time_to_accuracy", "single_device_speed", "repeated_losses", "step_rows", "training_losses",
 ]

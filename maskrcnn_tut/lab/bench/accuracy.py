@@ -23,8 +23,8 @@ from pathlib import Path
 from ...errors import BenchError
 from ...monitor import read_jsonl
 from ..provenance import provenance
+from ..stored.result import BenchResult, python_call
 from ..wording import english
-from .results import BenchResult, python_call
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"
 #: The fast path's flags; batches of one orientation each (group factor 0), or fixed shapes pad mixed

@@ -19,8 +19,8 @@ import torch
 
 from ...errors import BenchError
 from ..provenance import provenance
+from ..stored.result import results_path
 from .harness import launch_deadline
-from .results import results_path
 from .scaling import table
 from .sweeps import sweep_amp, sweep_channels_last, sweep_cudnn, sweep_fast_path
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ..stored.across_builds import spread_text
+from ..stored.result import BenchResult, add_spread, load_suite, row_label
 from ..wording import Said, say, shown, times
-from .cache import spread_text
-from .results import BenchResult, add_spread, load_suite, row_label
 
 #: The row keys of a file whose rows leave their new-shape steps out (written by `bench.steady`).
 STEADY_KEYS = ("new-shape steps", "img/s steady")

@@ -46,11 +46,11 @@ from ...atomic import atomic_write
 from ...engine import advance_schedule, train_step
 from ..nvml import GPUSampler
 from ..provenance import provenance
+from ..stored.result import BenchResult, results_path
 from . import steady
 from .harness import bench_config
 from .host_work import count_host_work, optimizer_counters
 from .profile import CUDA_WAITS
-from .results import BenchResult, results_path
 
 STAGES = ("precision", "levers", "side_by_side", "cudnn_benchmark", "compiled")
 #: Sizes of a stage on a GPU and in the CPU rehearsal.

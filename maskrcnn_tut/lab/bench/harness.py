@@ -32,7 +32,7 @@ from ...monitor import img_per_s_mean, img_per_s_median, metrics_row
 from ..dataparallel import DetectionDataParallel, explain_unavailable
 from ..device_memory import reset_peak_memory
 from ..rig import LONG_SCHEDULE, SHAPES_SIZES, build_rig, shapes_config, shapes_dataset
-from .cache import timing_row
+from ..stored.across_builds import timing_row
 
 SHAPES = ("natural", "fixed", "varying")
 MEASURE_OPTIONS = ("steps", "warmup", "threads", "shape", "dataparallel", "sync_gradients", "max_seconds", "deadline")

@@ -36,7 +36,7 @@ from ...engine import StepRecord, after_step
 from ...monitor import MetricsLogger, StragglerCheck
 from ..provenance import provenance
 from ..rig import Rig, build_rig, synthetic_batches
-from .results import BenchResult, python_call
+from ..stored.result import BenchResult, python_call
 
 LOOPS = ("bare", "engine.train_step", "train.py's loop")
 

@@ -40,8 +40,8 @@ from ...engine import TrainState, after_step
 from ...monitor import MetricsLogger, StragglerCheck
 from ..provenance import provenance
 from ..rig import build_rig, shapes_config
+from ..stored.result import BenchResult, python_call
 from ..wording import english
-from .results import BenchResult, python_call
 
 LOOPS = ("train.py's loop, workers running", "bare step, same batches")
 

@@ -31,10 +31,10 @@ import torch
 from ...errors import BenchError
 from ...hardware import usable_cores
 from ..provenance import provenance
+from ..stored.across_builds import cached
+from ..stored.result import BenchResult, python_call
 from ..wording import english, interval, say, shown, term
-from .cache import cached
 from .harness import bench_config, launch_measure
-from .results import BenchResult, python_call
 from .scaling import CPU_TABLE_BATCH, table
 
 #: GPUs per node before a ring all-reduce has to cross the network between nodes.

@@ -13,9 +13,9 @@ import torch
 from ...errors import BenchError
 from ...hardware import usable_cores
 from ..provenance import provenance
+from ..stored.result import BenchResult, python_call
 from ..wording import english, say, shown
 from .harness import bench_config, launch_measure
-from .results import BenchResult, python_call
 
 TABLE_COLUMNS = ["setup", "processes", "threads/process", "GPUs", "img/s", "peak MiB/device", "total MiB",
                  "speedup", "scaling efficiency", "note"]

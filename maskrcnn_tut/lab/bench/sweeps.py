@@ -19,9 +19,9 @@ import torch
 from ...config import Config
 from ...hardware import cpu_has_bf16, usable_cores
 from ..provenance import provenance
+from ..stored.result import BenchResult, python_call
 from ..wording import english, say, shown
 from .harness import bench_config, launch_measure, multiscale_sizes
-from .results import BenchResult, python_call
 
 SWEEP_COLUMNS = ["setting", "img/s", "img/s all steps", "data ms", "compute ms", "peak MiB/device", "steps", "note"]
 #: A knob whose settings differ by less than this (relative img/s) made no measurable difference.

@@ -1,4 +1,4 @@
-"""The figure cache (lab/figures.py): within a session a call runs once and its repeat writes the same
+"""The figure cache within a build (lab/stored/within_build.py): within a session a call runs once and its repeat writes the same
 lines and returns the same result; outside a session every call runs."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from maskrcnn_tut.lab import figures
+from maskrcnn_tut.lab.stored import within_build
 
 CALLS: list[tuple] = []
 
@@ -24,21 +24,21 @@ def measured(size: int, label: str = "fp32") -> dict:
 @pytest.fixture
 def session(tmp_path, monkeypatch):
     CALLS.clear()
-    monkeypatch.setenv(figures.SESSION_ENV, str(tmp_path))
+    monkeypatch.setenv(within_build.SESSION_ENV, str(tmp_path))
     return tmp_path
 
 
 def test_outside_a_session_every_call_runs(monkeypatch):
     CALLS.clear()
-    monkeypatch.delenv(figures.SESSION_ENV, raising=False)
-    first, second = figures.once(measured, 64), figures.once(measured, 64)
+    monkeypatch.delenv(within_build.SESSION_ENV, raising=False)
+    first, second = within_build.once(measured, 64), within_build.once(measured, 64)
     assert len(CALLS) == 2 and first["value"] != second["value"]
 
 
 def test_in_a_session_the_repeat_writes_the_same_lines_and_returns_the_kept_result(session, capsys):
-    first = figures.once(measured, 64, label="bf16")
+    first = within_build.once(measured, 64, label="bf16")
     written = capsys.readouterr()
-    again = figures.once(measured, 64, "bf16")  # the same call, the default filled in or not
+    again = within_build.once(measured, 64, "bf16")  # the same call, the default filled in or not
     replayed = capsys.readouterr()
     assert CALLS == [(64, "bf16")]
     assert again == first
@@ -68,7 +68,7 @@ def failing_oddly(size: int) -> None:
 def test_a_repeat_raises_the_kept_error_after_the_same_lines(session, capsys):
     for _ in range(2):
         with pytest.raises(Diverged, match="non-finite loss at 64 px"):
-            figures.once(failing, 64)
+            within_build.once(failing, 64)
         assert capsys.readouterr().out == "step 1 at 64 px\n"
     assert CALLS == [(64, "fails")]
 
@@ -76,45 +76,45 @@ def test_a_repeat_raises_the_kept_error_after_the_same_lines(session, capsys):
 def test_an_error_that_does_not_pickle_back_runs_again(session):
     for _ in range(2):
         with pytest.raises(Unrebuildable):
-            figures.once(failing_oddly, 64)
+            within_build.once(failing_oddly, 64)
     assert CALLS == [(64, "fails oddly")] * 2
 
 
 def test_other_arguments_measure_again(session):
-    figures.once(measured, 64)
-    figures.once(measured, 96)
-    figures.once(measured, 64, label="bf16")
+    within_build.once(measured, 64)
+    within_build.once(measured, 96)
+    within_build.once(measured, 64, label="bf16")
     assert CALLS == [(64, "fp32"), (96, "fp32"), (64, "bf16")]
 
 
 def test_functions_as_arguments_are_keyed_by_their_import_path(session):
-    assert figures.stable_repr(measured) == f"{measured.__module__}.measured"
-    assert figures.stable_repr([measured, 2, {"a": (1, 2)}]) == f"list({measured.__module__}.measured, 2, {{'a': tuple(1, 2)}})"
+    assert within_build.stable_repr(measured) == f"{measured.__module__}.measured"
+    assert within_build.stable_repr([measured, 2, {"a": (1, 2)}]) == f"list({measured.__module__}.measured, 2, {{'a': tuple(1, 2)}})"
 
 
 def test_what_cannot_be_keyed_the_same_in_every_kernel_is_refused(session):
     with pytest.raises(TypeError, match="no stable repr"):
-        figures.once(measured, object())
+        within_build.once(measured, object())
     with pytest.raises(TypeError, match="importable"):
-        figures.once(lambda: 1)
+        within_build.once(lambda: 1)
     assert CALLS == []
 
 
 def test_work_dir_is_shared_in_a_session_and_fresh_outside(session, monkeypatch):
-    assert figures.work_dir("run") == figures.work_dir("run") == session / "work" / "run"
-    monkeypatch.delenv(figures.SESSION_ENV)
-    one, two = figures.work_dir("run"), figures.work_dir("run")
+    assert within_build.work_dir("run") == within_build.work_dir("run") == session / "work" / "run"
+    monkeypatch.delenv(within_build.SESSION_ENV)
+    one, two = within_build.work_dir("run"), within_build.work_dir("run")
     assert one != two and one.is_dir() and two.is_dir()
 
 
 def test_a_session_starts_once_and_its_end_removes_it(tmp_path, monkeypatch):
-    monkeypatch.delenv(figures.SESSION_ENV, raising=False)
+    monkeypatch.delenv(within_build.SESSION_ENV, raising=False)
     monkeypatch.setenv("MASKRCNN_TUT_CACHE", str(tmp_path))
     stale = tmp_path / "figures" / "killed-build"
     stale.mkdir(parents=True)
-    os.utime(stale, (time.time() - 2 * figures.STALE_AFTER_S,) * 2)
-    folder = figures.start_session()
-    assert os.environ[figures.SESSION_ENV] == str(folder) and folder.is_dir() and not stale.exists()
-    assert figures.start_session() == folder  # a build inside a test session joins it
-    figures.end_session(folder)
-    assert not folder.exists() and figures.SESSION_ENV not in os.environ
+    os.utime(stale, (time.time() - 2 * within_build.STALE_AFTER_S,) * 2)
+    folder = within_build.start_session()
+    assert os.environ[within_build.SESSION_ENV] == str(folder) and folder.is_dir() and not stale.exists()
+    assert within_build.start_session() == folder  # a build inside a test session joins it
+    within_build.end_session(folder)
+    assert not folder.exists() and within_build.SESSION_ENV not in os.environ

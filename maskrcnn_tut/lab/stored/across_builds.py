@@ -1,6 +1,6 @@
-"""Figures that hold still: measure each benchmark once, keep it, and keep its spread.
+"""Results kept across builds: measure each benchmark once, keep it, and keep its spread.
 
-    speed = bench.cached(bench.table, steps=16, warmup=3)
+    speed = across_builds.cached(bench.table, steps=16, warmup=3)
 
 The first call runs the benchmark and writes its `BenchResult` to
 `$MASKRCNN_TUT_CACHE/bench/<name>-<key>.json` (`cache_dir()`); every later call with the same key
@@ -47,16 +47,16 @@ from ...data.shapes import default_cache_dir
 from ...monitor import img_per_s_median
 from ..provenance import provenance
 from ..wording import interval, say
-from .results import BenchResult, add_spread
+from .result import BenchResult, add_spread
 
 #: Bump when the cached file's layout changes: older files are then measured again.
 CACHE_VERSION = 1
 #: The sources that decide what a benchmark measures (paths relative to `maskrcnn_tut/`): the
 #: harness, the training step, the model, the config, the processes and the batches. The cached
 #: function's own module is hashed too. Other modules (plots, other sweeps) can change freely.
-CODE_SOURCES = ("lab/bench/harness.py", "lab/bench/results.py", "lab/bench/cache.py", "engine.py", "model.py",
-                "config.py", "distributed.py", "rendezvous.py", "lab/dataparallel.py", "data/loader.py", "data/coco.py",
-                "data/shapes.py")
+CODE_SOURCES = ("lab/bench/harness.py", "lab/stored/result.py", "lab/stored/across_builds.py", "engine.py",
+                "model.py", "config.py", "distributed.py", "rendezvous.py", "lab/dataparallel.py", "data/loader.py",
+                "data/coco.py", "data/shapes.py")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,7 +1,7 @@
-"""The figure cache: within one build of the book, each figure is measured once, so the Japanese
+"""Figures kept within one build of the book: each figure is measured once, so the Japanese
 chapters show what the English chapters measured in the same build instead of measuring it again.
 
-    trace = figures.once(traces.ddp_trace, steps=2, warmup=1)
+    trace = within_build.once(traces.ddp_trace, steps=2, warmup=1)
 
 `jupyter-book build` (this module is a Sphinx extension in `_config.yml`) and a pytest run
 (tests/conftest.py) start a *session*: `MASKRCNN_TUT_FIGURES` names a folder that every chapter's
@@ -15,7 +15,7 @@ reader's language when they show it, as the `lab` functions return it.
 `work_dir(name)` is a folder both editions share within a session (a training run's output
 directory), and a fresh temporary folder outside one.
 
-Unlike `bench.cached`, which keeps benchmarks across builds, nothing here outlives its session: the
+Unlike `across_builds.cached`, which keeps benchmarks across builds, nothing here outlives its session: the
 next build measures again. A session's folder is removed when it ends, and folders older than a day
 (a build that was killed) when the next one starts.
 """
@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..atomic import atomic_write
-from ..data.shapes import default_cache_dir
-from .bench.cache import call_arguments
+from ...atomic import atomic_write
+from ...data.shapes import default_cache_dir
+from .across_builds import call_arguments
 
 #: The environment variable naming the session's folder; chapters' kernels inherit it.
 SESSION_ENV = "MASKRCNN_TUT_FIGURES"
@@ -85,7 +85,7 @@ def stable_repr(value: Any) -> str:
         return "{" + ", ".join(f"{stable_repr(k)}: {stable_repr(v)}" for k, v in value.items()) + "}"
     text = repr(value)
     if " at 0x" in text:
-        raise TypeError(f"figures.once: {text[:80]} has no stable repr to key the figure cache by")
+        raise TypeError(f"within_build.once: {text[:80]} has no stable repr to key the figure cache by")
     return text
 
 
@@ -93,7 +93,7 @@ def figure_key(fn: Callable, args: tuple, kwargs: dict) -> str:
     """The file name a call's result is kept under: its function and its arguments, defaults filled in."""
     name = f"{fn.__module__}.{fn.__qualname__}"
     if fn.__module__ == "__main__" or "<" in fn.__qualname__:
-        raise TypeError(f"figures.once needs a function importable from the package, not {name}")
+        raise TypeError(f"within_build.once needs a function importable from the package, not {name}")
     arguments = {k: stable_repr(v) for k, v in call_arguments(fn, args, kwargs).items()}
     digest = hashlib.sha256(json.dumps([name, arguments], sort_keys=True).encode()).hexdigest()[:16]
     return f"{fn.__qualname__}-{digest}.pickle"
