@@ -38,6 +38,13 @@ class OutOfSharedMemory(ConfigError):
     rank_specific = True
 
 
+class OutputError(UserError):
+    """An output folder or file that cannot be written (read-only, full, a file where a folder should be):
+    each rank meets it with its own writes, so each says so, naming itself."""
+
+    rank_specific = True
+
+
 class DataError(UserError, ValueError):
     """The dataset leaves nothing to train on (bad json, no usable images, fewer than one batch)."""
 

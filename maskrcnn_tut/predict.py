@@ -13,15 +13,20 @@ into place, so an interrupted run leaves the previous complete file, never half 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import sys
+import tempfile
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms.v2 import functional as F
 from tqdm.auto import tqdm
@@ -33,8 +38,8 @@ from .atomic import atomic_write
 from .config import Config, derive
 from .data.clean import category_labels, load_coco_json, resize_fails
 from .data.coco import read_rgb
-from .data.loader import dataset_paths, to_device
-from .errors import ConfigError, DataError
+from .data.loader import collate, dataset_paths, iterate, to_device
+from .errors import ConfigError, DataError, OutputError
 from .evaluate import gather_results, to_coco_results
 from .flags import add_flags
 
@@ -114,9 +119,14 @@ def plan(paths: list[Path], known_ids: dict[str, int]) -> list[Item]:
 
 
 def read_image(path: Path, min_size: int, max_size: int) -> tuple[torch.Tensor | None, str]:
-    """(uint8 CHW RGB image, "") or (None, why it is skipped)."""
+    """(uint8 CHW RGB image, "") or (None, why it is skipped). An image over PIL's decompression-bomb
+    limit is skipped before it is decoded: a few KB of PNG can hold gigapixels."""
     try:
-        image = F.pil_to_tensor(read_rgb(path))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = F.pil_to_tensor(read_rgb(path))
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as err:
+        return None, f"too_large ({str(err).split(', could')[0]})"
     except Exception as err:  # noqa: BLE001 - any file content: corrupt, truncated, not an image
         return None, f"unreadable ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
     height, width = image.shape[-2:]
@@ -143,6 +153,35 @@ class ImageFiles(Dataset):
 def write_json(obj, path: Path) -> None:
     """Write whole, then rename into place (`atomic.atomic_write`): readers see the previous file or the new one."""
     atomic_write(path, lambda f: json.dump(obj, f), mode="w")
+
+
+def out_error(out: Path, err: OSError, name_file: bool = True) -> OutputError:
+    """An OSError writing under --out as one line naming the folder, the file and what to do."""
+    rank = f"rank {du.info().rank}: " if du.info().world_size > 1 else ""
+    what = f" {err.filename}" if err.filename and name_file else " there"
+    advice = "free space there or give another --out" if err.errno == errno.ENOSPC else \
+        "give a folder this process can write to"
+    return OutputError(f"{rank}--out {out}: cannot write{what} ({err.strerror or err}); {advice}")
+
+
+@contextlib.contextmanager
+def writing(out: Path, name_file: bool = True):
+    """Within, an OSError (a read-only or full disk) is `out_error`'s one line."""
+    try:
+        yield
+    except OSError as err:
+        raise out_error(out, err, name_file) from None
+
+
+def prepare_out(out: Path) -> None:
+    """--out made and a file written in it, before any image is read."""
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out}: is a file, not a folder; give a folder for the outputs")
+    with writing(out, name_file=False):
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out) as probe:
+            probe.write(b"0")
+            probe.flush()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,7 +223,9 @@ def predict_shard(model, loader: DataLoader, run_facts, label_to_cat: dict[int, 
     as it goes; a single process also rewrites detections.json every `SAVE_EVERY` batches."""
     results, done, skipped = [], [], Counter()
     device = run_facts.device
-    for batch_number, batch in enumerate(tqdm(loader, desc="predict", unit="batch", disable=not progress), 1):
+    batches = tqdm(iterate(loader), desc="predict", unit="batch", total=len(loader), disable=not progress)
+    for batch_number, columns in enumerate(batches, 1):
+        batch = list(zip(*columns))  # (item, image or None, reason) each
         for item, _, reason in (entry for entry in batch if entry[1] is None):
             skipped[reason.split(" ")[0]] += 1
             if sum(skipped.values()) <= LOGGED_SKIPS:
@@ -199,10 +240,12 @@ def predict_shard(model, loader: DataLoader, run_facts, label_to_cat: dict[int, 
         done.extend(ids)
         if not args.no_overlays:
             for (item, image), output in zip(readable, outputs):
-                overlay.save(overlay.draw(image, output, class_names, args.overlay_threshold),
-                             out / "overlays" / item.overlay_name)
+                with writing(out):
+                    overlay.save(overlay.draw(image, output, class_names, args.overlay_threshold),
+                                 out / "overlays" / item.overlay_name)
         if run_facts.world_size == 1 and batch_number % SAVE_EVERY == 0:
-            write_json(results, out / "detections.json")
+            with writing(out):
+                write_json(results, out / "detections.json")
     return results, done, skipped
 
 
@@ -217,12 +260,12 @@ def run(args: argparse.Namespace) -> dict | None:
     label_to_cat, known_ids = val_index(cfg, saved["num_classes"])
     items = plan(paths, known_ids)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_out(out)
     if info.is_main:
         log.info("%s (step %s, %s, %d classes, %d/%d px): %d images on %d process(es)", args.checkpoint, step,
                  cfg.backbone, saved["num_classes"] - 1, cfg.min_size, cfg.max_size, len(items), info.world_size)
     shard = ImageFiles(items[info.rank::info.world_size], cfg.min_size, cfg.max_size)
-    loader = DataLoader(shard, batch_size=args.batch_size, num_workers=args.workers, collate_fn=list)
+    loader = DataLoader(shard, batch_size=args.batch_size, num_workers=args.workers, collate_fn=collate)  # packs
     started = time.perf_counter()
     with torch.inference_mode():
         results, done, skipped = predict_shard(model, loader, derive(cfg, info.world_size, device), label_to_cat,
@@ -233,9 +276,10 @@ def run(args: argparse.Namespace) -> dict | None:
     if gathered is None:
         return None
     all_results, all_ids = gathered
-    write_json(all_results, out / "detections.json")
     predicted = set(all_ids)
-    write_json({str(item.path): item.image_id for item in items if item.image_id in predicted}, out / "images.json")
+    with writing(out):
+        write_json(all_results, out / "detections.json")
+        write_json({str(item.path): item.image_id for item in items if item.image_id in predicted}, out / "images.json")
     counts = sum((Counter(s) for s in all_skipped), Counter())
     summary = {"images": len(all_ids), "detections": len(all_results), "skipped": dict(counts),
                "seconds": round(seconds, 2), "img_per_s": round(len(all_ids) / max(seconds, 1e-9), 2)}

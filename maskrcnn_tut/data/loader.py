@@ -264,10 +264,12 @@ def iterate(loader: DataLoader) -> Iterator:
     worker's copy of the report is never read), and a worker's `DataError` or a full /dev/shm as one
     line. The workers start with the job's signals blocked and keep them so: their rank handles
     them (finishes the step, saves), and they end with it (torch's watchdog) or with their loader;
-    torch's own handler would end a worker on SIGTERM and fail its rank mid-step."""
+    torch's own handler would end a worker on SIGTERM and fail its rank mid-step. A loader of other
+    samples (predict's image files, which say their own failures) gets the same workers and lines."""
     dataset = loader.dataset
     while isinstance(dataset, Subset):  # an evaluation shard: its dataset keeps the report
         dataset = dataset.dataset
+    counted, decode_device = hasattr(dataset, "record_load_failures"), getattr(dataset, "decode_device", None)
     held = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS)  # inherited by the workers forked here
     try:
         batches = iter(loader)  # makes the workers' queues: their locks live in /dev/shm
@@ -280,12 +282,12 @@ def iterate(loader: DataLoader) -> Iterator:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
     try:
         for batch in batches:
-            for target in batch[1]:
+            for target in batch[1] if counted else ():
                 failures = target.pop(LOAD_FAILED_KEY, None)
                 if failures:
                     dataset.record_load_failures(failures)
-            if dataset.decode_device is not None:
-                batch = decode_batch(*batch, dataset.transforms, dataset.decode_device, dataset.record_device_failure)
+            if decode_device is not None:
+                batch = decode_batch(*batch, dataset.transforms, decode_device, dataset.record_device_failure)
             yield batch
     except DataError as err:
         _end_workers(loader, batches)

@@ -34,3 +34,24 @@ def test_a_full_dev_shm_is_one_line_on_each_rank_naming_the_ways_out(small_shape
     assert "Errno 28" not in output and "Exception ignored" not in output, output[-3000:]
     assert not re.search(r"^\[rank\d\]:", output, re.M), output[-3000:]  # no rank's traceback
     assert not re.search(r'File ".*maskrcnn_tut/', output), output[-3000:]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="mounts a small /dev/shm: root, unshare")
+def test_predict_on_a_full_dev_shm_is_one_line_on_each_rank(small_shapes, tmp_path):
+    """predict's decoding workers meet it as training's do (they pack their batches the same way): before,
+    a traceback of the queue lock's `OSError: [Errno 28]`."""
+    import torch
+    from checkpoints import resumable_payload
+
+    torch.save(resumable_payload(3, data_path=str(small_shapes), min_size=96, max_size=128), tmp_path / "last.pt")
+    command = shlex.join(train_command("--checkpoint", str(tmp_path / "last.pt"), "--out", str(tmp_path / "out"),
+                                       "--workers", "2", "--no-progress", str(small_shapes / "val2017"), nproc=2,
+                                       script=("-m", "maskrcnn_tut.predict")))
+    result = subprocess.run(["unshare", "--mount", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs /dev/shm && {command}"],
+                            capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    errors = sorted(line for line in output.splitlines() if line.startswith("error:"))
+    assert [line.split(":")[1].strip() for line in errors] == ["rank 0", "rank 1"], output[-3000:]
+    assert all("ran out of shared memory" in line and "--workers 0" in line for line in errors), output[-3000:]
+    assert "Errno 28" not in output and not re.search(r'File ".*maskrcnn_tut/', output), output[-3000:]
