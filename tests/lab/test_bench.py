@@ -80,17 +80,49 @@ def test_sweep_reports_each_setting_and_what_made_no_difference():
     assert json.loads(json.dumps(result.to_dict()))["rows"][0]["knobs"]["accum_steps"] == 1
 
 
+def spread_row(setting: str, img_s: float, spread: float = 0.02, **knobs) -> dict:
+    return {"setting": setting, "img/s": img_s, "img/s lo": img_s * (1 - spread), "img/s hi": img_s * (1 + spread),
+            "knobs": knobs}
+
+
 def test_knob_note_compares_rows_that_differ_only_in_that_knob():
-    rows = [{"setting": f"w{w} p{p}", "img/s": speed, "knobs": {"workers": w, "persistent": p}}
+    rows = [spread_row(f"w{w} p{p}", speed, workers=w, persistent=p)
             for w, p, speed in [(0, False, 10.0), (1, False, 10.2), (1, True, 13.0)]]
     assert "no measurable difference" in sweeps.knob_note(rows[:2], "workers", "the loader keeps up.")
     note = sweeps.knob_note(rows, "persistent", "")
     assert "27%" in note and "best of those: w1 pTrue" in note
-    sized = [{"setting": f"{size} px", "img/s": 100.0 / size, "knobs": {"min_size": size, "max_size": size, "steps": steps}}
-             for size, steps in [(64, 8), (128, 4)]]
+    sized = [{"setting": f"{size} px", "img/s": 100.0 / size, "peak MiB/device": size * 2.0,
+              "knobs": {"min_size": size, "max_size": size, "steps": steps}} for size, steps in [(64, 8), (128, 4)]]
     assert "fewer than two" in sweeps.knob_note(sized, "min_size", "")
-    assert "100% difference" in sweeps.knob_note(sized, "min_size", "", moves_with=("max_size",))
+    assert "best of those: 64 px" in sweeps.knob_note(sized, "min_size", "", key="peak MiB/device",
+                                                      moves_with=("max_size",))  # memory is not timed: it ranks
     assert "fewer than two" in sweeps.knob_note(rows[:1], "workers", "")
+
+
+def test_knob_note_ranks_only_settings_whose_ranges_lie_apart():
+    """M3 (book-review-3): the notes under the sweep tables gave verdicts the book's rule forbids."""
+    apart = [spread_row("fp32 (no autocast)", 10.0, amp=False, amp_dtype=None),
+             spread_row("bf16 autocast", 14.0, amp=True, amp_dtype="bfloat16")]
+    # fp32 is compared too (it differs in `amp`, which moves with the dtype): not "fewer than two settings"
+    assert "best of those: bf16 autocast" in sweeps.knob_note(apart, "amp_dtype", "", moves_with=("amp",))
+    overlapping = [spread_row("fp32 (no autocast)", 10.0, 0.3, amp=False, amp_dtype=None),
+                   spread_row("bf16 autocast", 12.0, 0.3, amp=True, amp_dtype="bfloat16")]
+    note = sweeps.knob_note(overlapping, "amp_dtype", "", moves_with=("amp",))
+    assert "ranges overlap" in note and "best" not in note and "20%" in note
+    no_spread = [{**row, "img/s all steps": row["img/s"]} for row in apart]
+    note = sweeps.knob_note(no_spread, "amp_dtype", "", key="img/s all steps", moves_with=("amp",))
+    assert "no spread recorded" in note and "best" not in note
+
+
+def test_knob_note_on_the_committed_h200_amp_rows_ranks_nothing():
+    from maskrcnn_tut.lab import book
+    from maskrcnn_tut.lab.stored.result import load_suite
+    _, parts, _ = load_suite(book.RESULTS / "1x-nvidia-h200-2026-12-04.json")
+    rows = parts["amp"].rows
+    assert "best of those" in str(parts["amp"].notes[0])  # what the suite wrote then
+    for key in ("img/s", "img/s all steps"):
+        note = sweeps.knob_note(rows, "amp_dtype", "", key=key, moves_with=("amp",))
+        assert "best" not in note and ("ranges overlap" in note or "no spread" in note)
 
 
 def test_result_round_trips_and_renders(tmp_path):

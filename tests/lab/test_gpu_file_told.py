@@ -134,8 +134,9 @@ def test_a_steady_file_is_worded_by_the_steady_hook_alone(tmp_path, monkeypatch,
     (tmp_path / "1x-test-gpu-2027-01-01.json").write_text(json.dumps({
         "provenance": {"hardware": "1x Test GPU", "date": "2027-01-01T00:00", "command": "suite", "torch": "2.14.1"},
         "results": {"amp": {"name": "amp", "title": "AMP", "rows": rows, "columns": ["setting", "img/s"],
-                            "notes": ["amp_dtype: up to 7% difference in img/s with the other knobs fixed; best of "
-                                      "those: bf16 autocast."], "provenance": {"command": "sweep_amp(warmup=5)"}}}}))
+                            "notes": [wording.to_json(wording.english("bench.knob_moved", knob="amp_dtype", spread=0.07,
+                                                                      key="img/s", best="bf16 autocast"))],
+                            "provenance": {"command": "sweep_amp(warmup=5)"}}}}))
     monkeypatch.setattr(gpu_files, "steady_sentences", lambda result: ["THE STEADY VERDICTS"])
     text = shown_text(monkeypatch, capsys, tmp_path, ["amp"])
     assert "steady state: new-shape steps left out" in text and "THE STEADY VERDICTS" in text

@@ -37,8 +37,10 @@ SLOW_FACTOR = 2.0
 DOMINATED_SHARE = 0.5
 #: What a part's rows are about, for a sentence saying the file has no verdict on it (literal keys).
 TOPICS = {"amp": "gpu_files.topic_amp", "cudnn": "gpu_files.topic_cudnn"}
-#: The stored notes that rank a part's settings (`sweeps.knob_note`): left out where nothing may be ranked.
-RANKING_NOTES = ("bench.knob_moved", "bench.knob_flat", "bench.knob_fewer")
+#: The stored notes that compare a part's settings (`sweeps.knob_note`; files written before it read the rows'
+#: ranges ranked by medians alone): left out, since a file's verdicts come from `steady_sentences` only.
+RANKING_NOTES = ("bench.knob_moved", "bench.knob_flat", "bench.knob_fewer", "bench.knob_overlap",
+                 "bench.knob_no_spread")
 
 
 @dataclass

@@ -20,7 +20,7 @@ from ...config import Config
 from ...hardware import cpu_has_bf16, usable_cores
 from ..provenance import provenance
 from ..stored.result import BenchResult, python_call
-from ..wording import english, say, shown
+from ..wording import english, say, shown, versus
 from .harness import bench_config, launch_measure, multiscale_sizes
 
 SWEEP_COLUMNS = ["setting", "img/s", "img/s all steps", "data ms", "compute ms", "peak MiB/device", "steps", "note"]
@@ -52,7 +52,10 @@ def _sweep(name: str, title: str, cfg: Config, settings: list[tuple[str, dict]],
 
 def knob_note(rows: list[dict], knob: str, why_flat: str, key: str = "img/s", moves_with: tuple[str, ...] = ()) -> str:
     """How much `knob` changed `key` between rows that differ in nothing else (but the step count and
-    the knobs that `moves_with` it); says why when it did not."""
+    the knobs that `moves_with` it); says why when it did not. A setting is named best only as the book
+    ranks (chapter 3): its whole range of a speed `key` (the row's IQR, "img/s lo"-"img/s hi") lies above
+    every other setting's of its group; otherwise the note says the ranges overlap, or that `key` has no
+    spread to rank by. Memory (a `key` in MiB) is not timed, so its medians rank."""
     ignored = {knob, "steps", *moves_with}
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
@@ -66,7 +69,14 @@ def knob_note(rows: list[dict], knob: str, why_flat: str, key: str = "img/s", mo
     spread, group = max(spreads, key=lambda item: item[0])
     if spread < NO_DIFFERENCE:
         return english("bench.knob_flat", knob=knob, key=key, spread=spread, why=why_flat)
-    best = max(group, key=lambda r: r[key]) if key.startswith("img/s") else min(group, key=lambda r: r[key])
+    timed = key.startswith("img/s")
+    best = max(group, key=lambda r: r[key]) if timed else min(group, key=lambda r: r[key])
+    if timed:
+        apart = [versus(best, row, key) for row in group if row is not best]
+        if None in apart:
+            return english("bench.knob_no_spread", knob=knob, key=key, spread=spread)
+        if any(verdict != 1 for verdict in apart):
+            return english("bench.knob_overlap", knob=knob, key=key, spread=spread)
     return english("bench.knob_moved", knob=knob, key=key, spread=spread, best=best["setting"])
 
 
@@ -120,7 +130,7 @@ def sweep_amp(preset: str | None = None, steps: int = 16, warmup: int = 3, data_
                     python_call("lab.bench.sweep_amp", preset=preset, steps=steps, warmup=warmup, data_path=data_path,
                                 max_seconds=max_seconds, force_bf16=force_bf16 or None, **overrides),
                     steps, warmup, max_seconds, skipped)
-    result.notes.append(knob_note(result.rows, "amp_dtype", english("bench.amp_flat")))
+    result.notes.append(knob_note(result.rows, "amp_dtype", english("bench.amp_flat"), moves_with=("amp",)))
     if not cuda:
         result.notes.append(english("bench.amp_cpu_memory"))
     return result
