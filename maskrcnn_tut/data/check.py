@@ -10,6 +10,7 @@ evaluate, one line `error: ...` and the error's exit code (2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from ..config import Config, validate
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = config_from(args)
-        validate(cfg, cuda_available=False)
+        validate(dataclasses.replace(cfg, amp=False, amp_dtype=None), cuda_available=False)  # no model runs here
         print(f"checking for a model that resizes to --min-size {cfg.min_size} --max-size {cfg.max_size} "
               f"(preset {cfg.preset})", end="\n\n")
         for split in SPLITS:
