@@ -7,7 +7,8 @@ reader-facing calls.
 
 - `set_language(lang)`: the edition a chapter's cells write in ("en" or "ja"; its first code cell).
 - `hardware_summary()`: the "your hardware" cell every chapter opens with.
-- `version_pins()`: requirements.txt's pins beside the installed versions (chapter 2).
+- `version_pins()`: requirements.txt's pins beside the installed versions; `results_versions()`: the torch
+  each committed results file was measured with (chapter 2).
 - `book_config(**overrides)`, `shapes_data()`: this hardware's preset on the book's shapes dataset.
 - `show_table` (`markdown_table` is `bench`'s), `glue`, `show_source`: tables, figures quoted by the
   prose, code.
@@ -121,6 +122,17 @@ def version_pins(requirements: Path | str | None = None) -> list[dict[str, Any]]
             rows.append({"package": name, "pinned": pinned, "installed": installed,
                          "matches": installed.split("+")[0] == pinned})
     return rows
+
+
+def results_versions(folder: Path | str | None = None) -> dict[str, str]:
+    """{file name: torch version} of every committed results file that records one (`book/results/`)."""
+    import json
+    found = {}
+    for path in sorted(Path(folder or RESULTS).rglob("*.json")):
+        torch_version = json.loads(path.read_text()).get("provenance", {}).get("torch")
+        if torch_version:
+            found[path.name] = torch_version
+    return found
 
 
 # --------------------------------------------------------------------------- data and config

@@ -186,8 +186,63 @@ def test_a_steady_file_states_the_verdicts_the_rule_gives(lang, tmp_path, monkey
     text = shown_text(monkeypatch, capsys, results, ["amp"])
     assert gpu_files.label(gpu_files.read(results)[0]) in text
     expected = {"en": ["faster than fp32", "within noise of fp32", "new-shape steps left out", "| faster |"],
-                "ja": ["fp32 より速い", "fp32 との差がばらつきの範囲内", "新しい形状のステップ 0 個を除外", "| 速い |"]}[lang]
+                "ja": ["fp32より速い", "fp32とばらつきの範囲内", "新しい形状のステップ 0 個を除外", "| 速い |"]}[lang]
     for words in expected:
         assert words in text, (words, text)
     assert f"{rows['bf16']['ratio lo']:.2f}" in text and f"{rows['bf16']['ratio hi']:.2f}" in text
     assert not rankings(text.replace(gpu_files.say("gpu_files.steady_rule", band=5), ""), lang)[2:]  # two verdicts
+
+
+# --------------------------------------------------------------------------- chapters 5 and 8, their own sentences
+
+
+def markdown_around(number: str, lang: str, call: str) -> str:
+    """The markdown cells just before and after the code cell that makes `call`, in a chapter of either edition."""
+    import nbformat
+    folder = book.RESULTS.parent / ("ja" if lang == "ja" else "")
+    cells = nbformat.read(next(folder.glob(f"{number}_*.ipynb")), as_version=4).cells
+    at = next(i for i, cell in enumerate(cells) if cell.cell_type == "code" and call in cell.source)
+    return "\n".join(cell.source for cell in (cells[at - 1], cells[at + 1]) if cell.cell_type == "markdown")
+
+
+@pytest.mark.parametrize("lang", ["en", "ja"])
+def test_chapter_5_says_what_the_h200_measured_and_ranks_nothing(lang, h200_only):
+    """H1 (book-review-3): on a GPU, chapter 5's sentences on the H200's rows (its live sweep's, as a hub
+    reader's first run would give, the committed file's, its own sweep of that day) rank no precision."""
+    from maskrcnn_tut.lab import speed_findings
+    wording.set_language(lang)
+    _, parts, _ = load_suite(h200_only / H200.name)
+    words = speed_findings.amp_speed(parts["amp"], cuda=True, capability=(9, 0))
+    published = book.PUBLISHED_AMP
+    remember = wording.say("ch05.remember", unscaled="1 %", scaled="0 %", grew=4.0, steps=4, measured=words["measured"],
+                           low=published["low"], high=published["high"], baseline=published["baseline"],
+                           gpu_file=gpu_files.brief(h200_only, "amp"))
+    own_sweep = gpu_files.chapter5_h200_words()
+    text = "\n".join([words["speed"], remember, own_sweep, wording.say(
+        "ch05.published", low=published["low"], high=published["high"], baseline=published["baseline"],
+        hardware=wording.term(published["hardware"]), images=published["images per GPU"])])
+    assert not words["ranked"] and rankings(text, lang) == []
+    # what was measured, with its steps, warm-up and source: the file's windows and the chapter's own run
+    assert "19, 5, 6" in words["speed"] and "2.11.0+cu130" in own_sweep and "docs/measurements.md" in own_sweep
+    assert "9.16" in own_sweep and "2.28-2.71" in own_sweep and " 5 " in own_sweep  # 5 of 8 batches met a new shape
+    assert f"{published['low']:.2f}" in text and f"{published['high']:.2f}" in text  # NVIDIA's own figure beside them
+
+
+def test_chapter_5_ranks_a_cpus_rows_whose_ranges_lie_apart():
+    """The same words on a CPU's sweep do rank, so the test above would catch a ranking."""
+    from maskrcnn_tut.lab import speed_findings
+    rows = [{"setting": "fp32 (no autocast)", "img/s": 10.0, "img/s lo": 9.8, "img/s hi": 10.2, "steps": 8},
+            {"setting": "bf16 autocast", "img/s": 14.0, "img/s lo": 13.7, "img/s hi": 14.3, "steps": 8}]
+    words = speed_findings.amp_speed(BenchResult("amp", "AMP", rows, ["setting", "img/s"]), cuda=False, capability=None)
+    assert words["ranked"] and "faster than fp32" in words["speed"] and rankings(words["speed"], "en")
+
+
+@pytest.mark.parametrize("lang", ["en", "ja"])
+def test_chapter_8_sentences_on_the_gpu_files_rank_nothing(lang, h200_only, monkeypatch, capsys):
+    """M4 (book-review-3): chapter 8's own words about the committed GPU files, and the file as it shows it."""
+    wording.set_language(lang)
+    prose = markdown_around("08", lang, "bench.show_gpu_results(book.RESULTS)")
+    assert len(prose) > 200
+    text = prose + "\n" + shown_text(monkeypatch, capsys, h200_only, None)
+    assert rankings(text, lang) == []
+    assert "hung" not in text and "median of 10 measured steps" in text if lang == "en" else True

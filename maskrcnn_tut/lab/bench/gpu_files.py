@@ -16,6 +16,8 @@ worded by `steady_sentences`, the one place a chapter's GPU-file verdicts come f
 - `show_gpu_results(folder, parts)`: the files as the chapters show them; `brief(folder, part)`: one
   sentence per file for a chapter's "What to remember".
 - `steady_sentences(result)`: the hook for a steady file's verdicts (none yet).
+- `CHAPTER5_H200`, `chapter5_h200()`: chapter 5's own precision sweep on the same H200, the same day (kept in
+  docs/measurements.md, not in a results file), and what it measured.
 """
 from __future__ import annotations
 
@@ -41,6 +43,40 @@ TOPICS = {"amp": "gpu_files.topic_amp", "cudnn": "gpu_files.topic_cudnn"}
 #: ranges ranked by medians alone): left out, since a file's verdicts come from `steady_sentences` only.
 RANKING_NOTES = ("bench.knob_moved", "bench.knob_flat", "bench.knob_fewer", "bench.knob_overlap",
                  "bench.knob_no_spread")
+
+#: Chapter 5's own precision sweep (`sweep_amp(steps=8, warmup=2)`) run on the H200 of the committed file, the
+#: same day (docs/measurements.md, "Run 2"; in no results file). `first_shapes`: the batches at which each of the
+#: bench set's padded shapes first appears (seed 0, batch 2; the replay in docs/measurements.md); `new_shape_s`:
+#: what a step that met one cost more than a repeated one on that H200 (presets.py), by precision.
+CHAPTER5_H200 = {
+    "date": "2026-12-04", "hardware": "1x NVIDIA H200", "torch": "2.11.0+cu130", "steps": 8, "warmup": 2,
+    "rows": [{"setting": "fp32 (no autocast)", "img/s": 9.16, "img/s lo": 7.57, "img/s hi": 11.2},
+             {"setting": "fp16 autocast + GradScaler", "img/s": 2.50, "img/s lo": 2.28, "img/s hi": 2.71},
+             {"setting": "bf16 autocast", "img/s": 2.21, "img/s lo": 1.97, "img/s hi": 3.14}],
+    "first_shapes": (1, 2, 3, 4, 5, 8, 9, 14, 16, 19, 22, 26, 31, 32, 46, 53),
+    "new_shape_s": {"fp32": "0.2", "fp16, bf16": "0.65-0.83"},
+    "source": "docs/measurements.md",
+}
+
+
+def chapter5_h200() -> dict:
+    """What chapter 5's own sweep on the H200 measured (`CHAPTER5_H200`): each row with its spread, and how
+    many of each setting's measured batches (those after its warm-up) met a padded shape not seen before."""
+    run = CHAPTER5_H200
+    measured = range(run["warmup"] + 1, run["warmup"] + run["steps"] + 1)
+    return {**run, "new": sum(batch in run["first_shapes"] for batch in measured),
+            "rates": [(row["setting"], spread_text(row, "img/s", ".3g", " img/s")) for row in run["rows"]]}
+
+
+def chapter5_h200_words() -> str:
+    """`chapter5_h200` as chapter 5 says it (its catalog's "h200_sweep"): the rows, and why they rank nothing."""
+    from ..wording import term
+    run = chapter5_h200()
+    rates = say("ch05.joiner").join(say("ch05.other_unranked", setting=term(setting), rate=rate)
+                                    for setting, rate in run["rates"])
+    return say("ch05.h200_sweep", hardware=run["hardware"], torch=run["torch"], steps=run["steps"],
+               warmup=run["warmup"], source=run["source"], rates=rates, new=run["new"],
+               fp32_s=run["new_shape_s"]["fp32"], half_s=run["new_shape_s"]["fp16, bf16"])
 
 
 @dataclass
