@@ -66,17 +66,19 @@ MESSAGES = {
         "noise": "the ranges overlap",
         "times": "{ratio:.2f} times",
     },
+    # Japanese: "within noise of X" is 「X との差がばらつきの範囲内」 (the glossary's rendering, book/ja/glossary.md),
+    # a clause that reads alone and after a topic (「固定サイズは…」); a space between a name and the kana after it
     "ja": {
         FASTER: "{than}速い",
         SLOWER: "{than}遅い",
         WITHIN_NOISE: "{of}ばらつきの範囲内",
         NO_SPREAD: "ばらつきの記録なし",
         INCONCLUSIVE: "{versus}結論が出ない",
-        "than": "{name}より",
-        "of": "{name}と",
-        "versus": "{name}との比較では",
+        "than": "{name} より",
+        "of": "{name} との差が",
+        "versus": "{name} との比較では",
         "noise": "範囲が重なっています",
-        "times": "{ratio:.2f}倍",
+        "times": "{ratio:.2f} 倍",
     },
 }
 

@@ -186,7 +186,7 @@ def test_a_steady_file_states_the_verdicts_the_rule_gives(lang, tmp_path, monkey
     text = shown_text(monkeypatch, capsys, results, ["amp"])
     assert gpu_files.label(gpu_files.read(results)[0]) in text
     expected = {"en": ["faster than fp32", "within noise of fp32", "new-shape steps left out", "| faster |"],
-                "ja": ["fp32より速い", "fp32とばらつきの範囲内", "新しい形状のステップ 0 個を除外", "| 速い |"]}[lang]
+                "ja": ["fp32 より速い", "fp32 との差がばらつきの範囲内", "新しい形状のステップ 0 個を除外", "| 速い |"]}[lang]
     for words in expected:
         assert words in text, (words, text)
     assert f"{rows['bf16']['ratio lo']:.2f}" in text and f"{rows['bf16']['ratio hi']:.2f}" in text

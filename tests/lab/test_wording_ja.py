@@ -33,12 +33,13 @@ NUMBER = re.compile(r"\d+(?:\.\d+)?")
 #: What is no English word to translate: code spans, quoted messages, fields, flags, dotted or
 #: underscored names (`pin_memory`, `requirements.txt`, `nvidia-smi`).
 CODE = re.compile(r"`[^`]*`|(?<![A-Za-z])'[^']*'|\{[^{}]*\}|--[\w-]+|\w+(?:[_./=:-]\w+)+")
-#: Lowercase names that the Japanese keeps as they are (glossary: forward, backward; tools and formats).
-KEPT = {"machine_findings": {"backward", "loss", "torchvision"}, "scale_findings": {"forward", "gloo", "nccl"},
-        "preflight": {"desync", "docker", "torch", "torchrun"}, "traces": {"forward", "torch"},
+#: Lowercase names that the Japanese keeps as they are: tools, formats and code (forward and backward are
+#: 順伝播 and 逆伝播, book/ja/glossary.md).
+KEPT = {"machine_findings": {"loss", "torchvision"}, "scale_findings": {"gloo", "nccl"},
+        "preflight": {"desync", "docker", "torch", "torchrun"}, "traces": {"torch"},
         "article": {"gloo", "numpy", "pillow", "torchrun", "torchvision", "wheel"},
         "after_course": {"counts", "height", "json", "size", "torchvision", "width"},
-        "memory": {"autocast", "autograd", "backward", "float", "forward", "step"}}
+        "memory": {"autocast", "autograd", "float", "step"}}
 
 
 def _words(text: str) -> set[str]:
