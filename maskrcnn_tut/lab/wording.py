@@ -65,6 +65,7 @@ MESSAGES = {
         "versus": " against {name}",
         "noise": "the ranges overlap",
         "times": "{ratio:.2f} times",
+        "x": "x",
     },
     # Japanese: "within noise of X" is 「X との差がばらつきの範囲内」 (the glossary's rendering, book/ja/glossary.md),
     # a clause that reads alone and after a topic (「固定サイズは…」); a space between a name and the kana after it
@@ -79,6 +80,7 @@ MESSAGES = {
         "versus": "{name} との比較では",
         "noise": "範囲が重なっています",
         "times": "{ratio:.2f} 倍",
+        "x": " 倍",
     },
 }
 

@@ -89,7 +89,7 @@ def prose(text: str) -> str:
 def occurrences(word: str, text: str) -> list[int]:
     """Where `word` starts in `text`: an ASCII word only as a whole word outside code-like names
     (`loss.backward()`, `forward_ms`, 'backward'), anything else as a substring."""
-    if re.fullmatch(r"[A-Za-z][\w -]*", word):
+    if re.fullmatch(r"[A-Za-z][A-Za-z0-9 _-]*", word):
         pattern = rf"(?<![\w./'-]){re.escape(word)}(?![\w(/'-])"
         return [m.start() for m in re.finditer(pattern, text, flags=re.I)]
     return [m.start() for m in re.finditer(re.escape(word), text)]
@@ -145,14 +145,14 @@ def test_the_glossary_is_a_page_of_the_japanese_part():
 
 JA = f"[{JAPANESE_CHAR}（）「」、。]"
 RULES = {
-    "ASCII colon beside Japanese (write ：)": re.compile(rf"(?<={JA}):|(?<={JA}\*\*):|:(?=\s*[{JAPANESE_CHAR}])"),
+    "ASCII colon beside Japanese (write ：)": re.compile(rf"(?<={JA}):|(?<!:):(?!:)(?=[ \t]*[{JAPANESE_CHAR}])"),
     "ASCII parenthesis around Japanese (write （）)": re.compile(rf"\((?=[^()\n]*[{JAPANESE_CHAR}][^()\n]*\))"),
-    "italic Japanese (write ** or 「」)": re.compile(rf"(?<![*\w])\*(?!\*|\s)[^*\n]*[{JAPANESE_CHAR}][^*\n]*(?<![*\s])\*(?!\*)"),
+    "italic Japanese (write ** or 「」)": re.compile(rf"(?<!\*)\*(?!\*|\s)[^*\n]*[{JAPANESE_CHAR}][^*\n]*(?<![*\s])\*(?!\*)"),
     "a number joined to its counter (write 8 枚)": re.compile(
         rf"(?<![第\d.,A-Za-z_])\d+(?:[.,]\d+)?(?=[{JAPANESE_CHAR}])(?![年月日時])"),
     "GPUs counted with 基 (write 枚)": re.compile(r"\d\s*基"),
     "images counted as 画像 (write 枚)": re.compile(r"\d\s*画像(?!サイズ)"),
-    "x for times beside Japanese (write 倍)": re.compile(rf"\d(?:\.\d+)?x(?=\s*[{JAPANESE_CHAR}（、。])"),
+    "x for times beside Japanese (write 倍)": re.compile(rf"\d\.\d+x(?=\s*[{JAPANESE_CHAR}（、。])"),  # not Detectron2's 1x
 }
 
 

@@ -261,7 +261,7 @@ def test_bench_and_gpu_sentences(both):
                                                           "(1 samples)"]
     assert said["ja"][0].startswith("この計測の間、ほかのプロセスがこのマシンのコアの 35% を使っていた")
     assert said["ja"][1].startswith("キャッシュから読み込み（2026-01-02 03:04 UTC、`/tmp/t.json`。")
-    assert said["ja"][2:4] == ["1.90x（四分位範囲 1.70-2.10x）",
-                               "GPU 0（nvidia-smi では GPU 3）：稼働率 30 %、メモリは最大 4096 / 81920 MiB（サンプル 1 個）"]
+    assert said["ja"][2:4] == ["1.90 倍（四分位範囲 1.70〜2.10 倍）",
+                               "GPU 0（nvidia-smi では GPU 3）：使用率 30 %、メモリは最大 4096 / 81920 MiB（サンプル 1 個）"]
     assert said["ja"][4].startswith("`tests/lab/test_labels_ja.py`、") and said["ja"][4].endswith(" 行目：")
     assert [numbers(ja) for ja in said["ja"]] == [numbers(en) for en in said["en"]]

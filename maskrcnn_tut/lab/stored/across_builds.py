@@ -46,7 +46,7 @@ from ...atomic import atomic_write
 from ...data.shapes import default_cache_dir
 from ...monitor import img_per_s_median
 from ..provenance import provenance
-from ..wording import interval, say
+from ..wording import MESSAGES, interval, language, say
 from .result import BenchResult, add_spread
 
 #: Bump when the cached file's layout changes: older files are then measured again.
@@ -125,6 +125,7 @@ def spread_text(row: dict, key: str = "speedup", fmt: str = ".2f", unit: str = "
     """'1.85x (IQR 1.71-1.98x)', the value with the interquartile range of its steps (in the book's
     language), or just the value without a spread."""
     span = interval(row, key)
+    unit = MESSAGES[language()]["x"] if unit == "x" else unit  # 倍 in Japanese
     value = format(row[key], fmt) + unit
     return value if span is None else say("bench.spread", value=value, low=format(span[0], fmt),
                                           high=format(span[1], fmt) + unit)

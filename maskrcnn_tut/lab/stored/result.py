@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..wording import english, from_json, say, shown, shown_rows, term, to_json
+from ..wording import MESSAGES, english, from_json, language, say, shown, shown_rows, term, to_json
 
 
 def _cell(value: Any, floatfmt: str) -> str:
@@ -124,7 +124,8 @@ def _plot_table(result: BenchResult):
     ax_speed = fig.axes[0]
     measured = [row for row in result.rows if row.get("img/s") is not None]
     for y, row in enumerate(measured):
-        ax_speed.annotate(f" {row['speedup']:.2f}x", (row["img/s"], y), va="center", fontsize=8)
+        ax_speed.annotate(f" {row['speedup']:.2f}{MESSAGES[language()]['x']}", (row["img/s"], y), va="center",
+                          fontsize=8)
     return fig
 
 
