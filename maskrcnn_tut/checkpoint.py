@@ -252,9 +252,26 @@ def check_compatible(payload: dict, cfg: dict, path: Path) -> None:
 
 def _resumed_position(state: TrainState, saved: dict, run: Run) -> TrainState:
     """The checkpoint's place in its epoch, in this run's batch units (images per micro-step over
-    all ranks); refuses when no whole number of this run's batches lands on that place."""
+    all ranks); refuses when no whole number of this run's batches lands on that place, when the
+    images read so far in the epoch are not the first ones of this run's order (aspect-ratio
+    groups are made per batch and per rank), and when an --epochs schedule (steps per epoch) would
+    no longer count the checkpoint's steps."""
     before = saved["batch_size"] * saved["derived"]["world_size"]
     now = run.batch_size * run.world_size
+    per_step = (before * saved.get("accum_steps", 1), now * run.accum_steps)
+    if per_step[0] != per_step[1] and not run.max_steps:
+        raise CheckpointError(f"--resume: the checkpoint's {state.step} steps were of {per_step[0]} images, this "
+                              f"run's are of {per_step[1]} (--batch-size x processes x --accum-steps), so its --epochs "
+                              f"{run.epochs} schedule would count other steps (its lr, and where it ends); resume with "
+                              f"{per_step[0]} images per step, or give --max-steps")
+    layout = (saved["batch_size"], saved["derived"]["world_size"], saved.get("aspect_ratio_group_factor", -1))
+    if state.batch_in_epoch and layout != (run.batch_size, run.world_size, run.aspect_ratio_group_factor) and \
+            max(layout[2], run.aspect_ratio_group_factor) >= 0:
+        raise CheckpointError(f"--resume: the checkpoint stopped {state.batch_in_epoch * before} images into epoch "
+                              f"{state.epoch} with --batch-size {layout[0]} on {layout[1]} processes and "
+                              f"--aspect-ratio-group-factor {layout[2]}; this run's batches group other images, so the "
+                              "rest of the epoch would repeat some and skip others: resume with the checkpoint's "
+                              "batch, processes and grouping, or from a checkpoint at an epoch's end")
     if before == now or state.batch_in_epoch == 0:
         return state
     consumed = state.batch_in_epoch * before

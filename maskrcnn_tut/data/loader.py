@@ -106,8 +106,8 @@ class ResumableBatches(torch.utils.data.Sampler):
         sampler = getattr(self.batch_sampler, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        elif isinstance(sampler, RandomSampler):
-            sampler.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        elif isinstance(sampler, RandomSampler):  # DistributedSampler's order: the same images come first on any
+            sampler.generator = torch.Generator().manual_seed(self.seed + epoch)  # process count (a resume's place)
 
     def __iter__(self) -> Iterator[list]:
         for number, batch in enumerate(self.batch_sampler):
