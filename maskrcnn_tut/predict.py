@@ -7,8 +7,9 @@ The model is rebuilt at the settings the checkpoint was trained with (its saved 
 (an image listed in the checkpoint's val json by file name keeps that id, so its results can be
 scored; others are numbered after them); and `overlays/`, each image with its detections drawn
 (unless `--no-overlays`). An image that cannot be used (unreadable, truncated, a few pixels, a
-strip) is skipped and counted, never stopping the run; JSON files are written whole and renamed
-into place, so an interrupted run leaves the previous complete file, never half of one.
+strip, a decompression bomb) is skipped and counted, never stopping the run; an --out that cannot be
+written is one line; JSON files are written whole and renamed into place, so an interrupted run
+leaves the previous complete file, never half of one.
 """
 from __future__ import annotations
 
