@@ -153,6 +153,13 @@ RULES = {
     "GPUs counted with 基 (write 枚)": re.compile(r"\d\s*基"),
     "images counted as 画像 (write 枚)": re.compile(r"\d\s*画像(?!サイズ)"),
     "x for times beside Japanese (write 倍)": re.compile(rf"\d\.\d+x(?=\s*[{JAPANESE_CHAR}（、。])"),  # not Detectron2's 1x
+    "a space before % (write 90%)": re.compile(r"\d %"),
+}
+#: The same rules where a template's placeholder stands for the number.
+TEMPLATE_RULES = {
+    "a number joined to its counter (write 8 枚)": re.compile(r"\}(?=[倍枚個回台つ件種秒])"),
+    "a space before % (write 90%)": re.compile(r"\} %"),
+    "x for times beside Japanese (write 倍)": re.compile(rf"\}}x(?=\s*[{JAPANESE_CHAR}（、。])"),
 }
 
 
@@ -163,6 +170,9 @@ def test_the_typography_rules(rule):
         own = prose(text)
         found += [f"{where}: …{own[max(0, m.start() - 15):m.end() + 15]}…".replace("\n", " ")
                   for m in RULES[rule].finditer(own)]
+        if rule in TEMPLATE_RULES:
+            found += [f"{where}: …{text[max(0, m.start() - 15):m.end() + 15]}…".replace("\n", " ")
+                      for m in TEMPLATE_RULES[rule].finditer(text)]
     assert not found, f"{len(found)} × {rule}:\n" + "\n".join(found)
 
 

@@ -121,7 +121,7 @@ def test_book_plots(both):
     said = both(lambda: book.line_plot([1, 2], {"compute": [1.0, 2.0]}, "Throughput", "step", "images / s"))
     assert said["ja"][0].startswith("スループット\n") and {"ステップ", "画像 / 秒", "計算"} <= set(said["ja"])
     said = both(lambda: book.plot_data_vs_compute(speed_table()))
-    assert said["ja"][0] == "速度表：1 デバイス、DataParallel と DDP\n2 コアの AMD EPYC 7B13（GPU なし）"
+    assert said["ja"][0] == "速度表：1 デバイス、DataParallel と DDP\nGPU なしの 2 コア AMD EPYC 7B13"
     assert "1 ステップあたりのミリ秒（中央値）" in said["ja"] and "データ（データローダ待ち）" in said["ja"]
     assert "シングル（1 プロセス × 1 スレッド）" in said["ja"] and numbers(said["ja"]) == numbers(said["en"])
 
@@ -129,7 +129,7 @@ def test_book_plots(both):
 def test_bench_plots(both):
     said = both(lambda: speed_table().plot())
     assert said["en"][0] == "Speed table: one device, DataParallel and DDP — 2-core AMD EPYC 7B13 (no GPU)"
-    assert said["ja"][0] == "速度表：1 デバイス、DataParallel と DDP — 2 コアの AMD EPYC 7B13（GPU なし）"
+    assert said["ja"][0] == "速度表：1 デバイス、DataParallel と DDP — GPU なしの 2 コア AMD EPYC 7B13"
     assert {"スループット", "画像 / 秒（ステップの中央値）", "デバイスあたりのピークメモリ"} <= set(said["ja"])
     assert "DDP(2)（2 プロセス × 1 スレッド）" in said["ja"] and numbers(said["ja"]) == numbers(said["en"])
     paper = projection.predict(0.5, 40e6, counts=(1, 2, 4), backward_share=0.6)
@@ -237,7 +237,7 @@ def test_machine_words_follow_the_language_but_provenance_stays_english(both, mo
     said = both(lambda: (provenance.hardware_label(), provenance.environment_report(), provenance.provenance("x")["hardware"]))
     (en_label, en_report, en_prov), (ja_label, ja_report, ja_prov) = said["en"], said["ja"]
     assert en_label == en_prov == ja_prov == "2-core AMD EPYC 7B13 (no GPU)"
-    assert ja_label == "2 コアの AMD EPYC 7B13（GPU なし）"
+    assert ja_label == "GPU なしの 2 コア AMD EPYC 7B13"
     assert [row[""] for row in ja_report] == [row[""] for row in en_report]  # code reads the rows by these
     ja_cpu, en_cpu = ja_report[0]["this machine"], en_report[0]["this machine"]
     assert "使えるコア 2 個" in ja_cpu and "usable cores" in en_cpu and numbers(ja_cpu) == numbers(en_cpu)
@@ -262,6 +262,6 @@ def test_bench_and_gpu_sentences(both):
     assert said["ja"][0].startswith("この計測の間、ほかのプロセスがこのマシンのコアの 35% を使っていた")
     assert said["ja"][1].startswith("キャッシュから読み込み（2026-01-02 03:04 UTC、`/tmp/t.json`。")
     assert said["ja"][2:4] == ["1.90 倍（四分位範囲 1.70〜2.10 倍）",
-                               "GPU 0（nvidia-smi では GPU 3）：使用率 30 %、メモリは最大 4096 / 81920 MiB（サンプル 1 個）"]
+                               "GPU 0（nvidia-smi では GPU 3）：使用率 30%、メモリは最大 4096 / 81920 MiB（サンプル 1 個）"]
     assert said["ja"][4].startswith("`tests/lab/test_labels_ja.py`、") and said["ja"][4].endswith(" 行目：")
     assert [numbers(ja) for ja in said["ja"]] == [numbers(en) for en in said["en"]]
