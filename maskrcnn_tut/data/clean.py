@@ -1,9 +1,10 @@
 """The cleaning rules for COCO data real projects have: what is repaired, what is dropped, and why.
 
-`clean_coco` turns a parsed COCO json (`load_coco_json`) and its image folder into the images and
-instances training can use. Every entry, annotation or image that cannot be used as it is gets
-repaired or dropped *and counted* in a `DataReport`, in one of the `PROBLEMS` kinds; nothing is
-dropped silently and no mask is built from an encoding that disagrees with its image.
+`clean_coco` turns a COCO json, as `maskrcnn_tut.data.cocojson.read_coco` reads it (a piece at a
+time), and its image folder into the images and instances training can use. Every entry, annotation
+or image that cannot be used as it is gets repaired or dropped *and counted* in a `DataReport`, in
+one of the `PROBLEMS` kinds; nothing is dropped silently and no mask is built from an encoding that
+disagrees with its image.
 `maskrcnn_tut.data.coco.CocoDetection` is the Dataset built on it.
 """
 from __future__ import annotations
@@ -98,36 +99,47 @@ class DataReport:
         return "; ".join(f"{kind}: {count} ({action})" for kind, count, _, action in rows)
 
 
-def _is_id(value) -> bool:
+def is_id(value) -> bool:
     """COCO ids are integers (some exporters write strings); anything else cannot index."""
     return isinstance(value, (int, str)) and not isinstance(value, bool)
 
 
-def load_coco_json(path: Path | str) -> dict:
-    """Parse and shape-check a COCO json; a `DataError` names the file and what is wrong."""
-    path = Path(path)
-    if path.exists() and not path.is_file():  # reading a pipe would wait for a writer forever
+def refuse_special_file(path: Path) -> None:
+    """A folder, pipe or device named as an annotation file is one line (reading a pipe would wait forever)."""
+    if path.exists() and not path.is_file():
         raise DataError(f"{path}: not a regular file (a folder, pipe or device), so not an annotation file")
+
+
+def load_coco_json(path: Path | str) -> dict:
+    """Parse a COCO json whole and `check_coco` it; a `DataError` names the file and what is wrong
+    (`maskrcnn_tut.data.cocojson.read_coco` reads a large one without holding it whole)."""
+    path = Path(path)
+    refuse_special_file(path)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise DataError(f"{path}: annotation file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, or an int of 4300+ digits
         raise DataError(f"{path}: not valid JSON ({err})") from None
     except RecursionError:  # Python's parser stops at the recursion limit (1000 levels by default)
         raise DataError(f"{path}: lists or objects nested deeper than Python's JSON parser allows; a COCO file "
                         "nests a few levels, so this one is damaged or not COCO") from None
     except OSError as err:
         raise DataError(f"{path}: cannot be read ({err.strerror})") from None
-    if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("images", "annotations", "categories")):
+    return check_coco(path, data)
+
+
+def check_coco(path: Path, data, lists: tuple = (list,)) -> dict:
+    """`data` when it has the shape of a COCO instances file (`lists`: what may stand for a list)."""
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), lists) for k in ("images", "annotations", "categories")):
         raise DataError(f"{path}: not a COCO instances file (needs lists 'images', 'annotations', 'categories')")
-    if not data["images"]:
+    if not len(data["images"]):
         raise DataError(f"{path}: has no images")
     if not data["categories"]:
         raise DataError(f"{path}: has no categories")
     ids = [c.get("id") if isinstance(c, dict) else None for c in data["categories"]]
     for index, cat_id in enumerate(ids):
-        if not _is_id(cat_id):
+        if not is_id(cat_id):
             raise DataError(f"{path}: categories[{index}] has no usable id")
         if ids.index(cat_id) != index:
             raise DataError(f"{path}: category id {cat_id!r} appears twice in categories")
@@ -191,45 +203,6 @@ def clean_box(bbox, width: int, height: int, report: DataReport, ann_id) -> list
     return box
 
 
-def _unique_images(entries: list, report: DataReport) -> tuple[dict, set]:
-    """({id: image entry} of the unambiguous images, every image id the json names)."""
-    by_id = defaultdict(list)
-    for index, img in enumerate(entries):
-        if not isinstance(img, dict) or not _is_id(img.get("id")) or not isinstance(img.get("file_name"), str):
-            report.add("malformed_entry", f"images[{index}]")
-            continue
-        by_id[img["id"]].append(img)
-    unique = {}
-    for image_id, same_id in by_id.items():
-        if len(same_id) > 1:
-            report.add("duplicate_image_id", image_id)
-            if len({img["file_name"] for img in same_id}) > 1:
-                continue
-        unique[image_id] = same_id[0]
-    return unique, set(by_id)
-
-
-def _annotations_by_image(entries: list, image_ids: set, report: DataReport) -> dict[object, list[dict]]:
-    by_image, first_with_id = defaultdict(list), {}
-    for index, ann in enumerate(entries):
-        if not isinstance(ann, dict) or not _is_id(ann.get("image_id")):
-            report.add("malformed_entry", f"annotations[{index}]")
-            continue
-        ann_id = ann.get("id")
-        if _is_id(ann_id):
-            if ann_id in first_with_id:
-                report.add("duplicate_annotation_id", ann_id)
-                if ann == first_with_id[ann_id]:
-                    continue
-            else:
-                first_with_id[ann_id] = ann
-        if ann["image_id"] not in image_ids:
-            report.add("unknown_image", ann_id)
-            continue
-        by_image[ann["image_id"]].append(ann)
-    return by_image
-
-
 def clean_annotations(anns: list[dict], width: int, height: int, cat_to_label: dict,
                       report: DataReport) -> tuple[list[tuple], list[tuple]]:
     """(usable instances, crowd regions) of one image, each an `INSTANCE` tuple."""
@@ -237,7 +210,7 @@ def clean_annotations(anns: list[dict], width: int, height: int, cat_to_label: d
     for ann in anns:
         ann_id = ann.get("id")
         category = ann.get("category_id")
-        if not _is_id(category) or category not in cat_to_label:
+        if not is_id(category) or category not in cat_to_label:
             report.add("unknown_category", ann_id)
             continue
         box = clean_box(ann.get("bbox"), width, height, report, ann_id)
@@ -276,8 +249,8 @@ def _clean_images(start: int, stop: int) -> tuple[list[bytes], list[tuple], Data
     """Pickled records, sizes and report of the unique images at positions start..stop."""
     job, report, items, sizes = _JOB, DataReport(), [], []
     for position in range(start, stop):
-        image_id, img = job["images"][position]
-        path = confined_path(job["image_dir"], img["file_name"])
+        image_id, file_name, json_width, json_height = job["images"][position]
+        path = confined_path(job["image_dir"], file_name)
         if path is None:
             report.add("bad_file_name", image_id)
             continue
@@ -285,22 +258,22 @@ def _clean_images(start: int, stop: int) -> tuple[list[bytes], list[tuple], Data
         if size is None:
             continue
         width, height = size
-        if (img.get("width"), img.get("height")) != (width, height):
+        if (json_width, json_height) != (width, height):
             report.add("size_mismatch", image_id)
-        usable, crowd = clean_annotations(job["anns"].get(image_id, []), width, height, job["labels"], report)
+        usable, crowd = clean_annotations(job["anns"].of_image(position), width, height, job["labels"], report)
         if not usable and job["train"]:
             report.add("no_annotations", image_id)
             continue
         eval_id = image_id if job["int_ids"] else position + 1
-        record = (eval_id, img["file_name"], width, height, usable, crowd, image_id)
+        record = (eval_id, file_name, width, height, usable, crowd, image_id)
         items.append(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
         sizes.append((width, height, len(usable)))
     return items, sizes, report
 
 
-def clean_coco(data: dict, image_dir: Path | str, train: bool = True, verify_pixels: bool = False,
+def clean_coco(index, image_dir: Path | str, train: bool = True, verify_pixels: bool = False,
                processes: int | None = None) -> tuple[Records, DataReport, np.ndarray]:
-    """(records, report, sizes) of a `load_coco_json` dict whose files are in `image_dir`.
+    """(records, report, sizes) of a COCO json's `cocojson.CocoIndex` whose files are in `image_dir`.
 
     One `RECORD` per usable image, with the file's real upright size, its usable instances and
     crowd regions (`clean_annotations`), labels from `category_labels`. `train=True` drops images
@@ -310,12 +283,11 @@ def clean_coco(data: dict, image_dir: Path | str, train: bool = True, verify_pix
     `processes` forked processes (default: one per usable core), with the same result.
     """
     report = DataReport()
-    _, cat_to_label = category_labels(data["categories"])
-    unique, image_ids = _unique_images(data["images"], report)
-    anns = _annotations_by_image(data["annotations"], image_ids, report)
-    _JOB.update(images=list(unique.items()), anns=anns, image_dir=Path(image_dir), labels=cat_to_label,
-                train=train, verify_pixels=verify_pixels, int_ids=all(type(i) is int for i in unique))
-    n = len(unique)
+    report.merge(index.report)  # the entry problems found reading the json
+    _, cat_to_label = category_labels(index.categories)
+    _JOB.update(images=index.images, anns=index.annotations, image_dir=Path(image_dir), labels=cat_to_label,
+                train=train, verify_pixels=verify_pixels, int_ids=all(type(img[0]) is int for img in index.images))
+    n = len(index.images)
     if processes is None:
         processes = usable_cores() if n >= PARALLEL_MIN_IMAGES else 1
     bounds = np.linspace(0, n, max(1, min(processes, n)) + 1).astype(int)
@@ -331,6 +303,7 @@ def clean_coco(data: dict, image_dir: Path | str, train: bool = True, verify_pix
                         f"retry with fewer processes per machine") from None
     finally:
         _JOB.clear()
+        index.annotations.close()
     items, sizes = [], []
     for chunk_items, chunk_sizes, chunk_report in parts:
         items += chunk_items

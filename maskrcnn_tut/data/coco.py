@@ -4,7 +4,8 @@
 are kept out of training targets, category ids are remapped to contiguous labels 1..K, and every
 entry, annotation or image that cannot be used as it is gets repaired or dropped *and counted* in
 a `DataReport` (printed by `python -m maskrcnn_tut.data.check` and logged when training starts).
-The cleaning rules themselves live in `maskrcnn_tut.data.clean`; this module is the Dataset.
+The cleaning rules themselves live in `maskrcnn_tut.data.clean`, and the json is read a piece at a
+time (`maskrcnn_tut.data.cocojson`: never whole in memory); this module is the Dataset.
 
 Cleaned images are kept as pickled records in one flat buffer (`maskrcnn_tut.data.records`), so
 a COCO-sized dataset costs a few hundred MB once, shared by forked DataLoader workers; a large
@@ -34,7 +35,8 @@ from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as F
 
 from ..errors import DataError
-from .clean import DataReport, category_labels, clean_coco, load_coco_json, resize_fails
+from .clean import DataReport, category_labels, clean_coco, resize_fails
+from .cocojson import read_coco
 from .device_decode import Encoded, apply_transforms, read_encoded
 from .records import Records, cached_records
 
@@ -149,10 +151,10 @@ class CocoDetection(torch.utils.data.Dataset):
 
     def _clean(self, settings: dict):
         def build() -> tuple[Records, dict]:
-            data = load_coco_json(self.ann_file)
-            categories, _ = category_labels(data["categories"])
-            records, report, sizes = clean_coco(data, self.image_dir, **settings)
-            del data
+            index = read_coco(self.ann_file)  # a piece at a time: never the whole json at once
+            categories, _ = category_labels(index.categories)
+            records, report, sizes = clean_coco(index, self.image_dir, **settings)
+            del index
             return records, {"report": report, "categories": categories, "widths": sizes[:, 0],
                              "heights": sizes[:, 1], "instances": sizes[:, 2]}
         return build
