@@ -19,7 +19,7 @@ def rows(data_time: float, iter_time: float, memory_mb: float, n: int = 4) -> li
 
 
 def test_health_advice_flags_starved_steps_full_memory_and_idle_gpus():
-    healthy = health_advice(rows(0.05, 0.5, 100.0), total_memory_mb=1000.0)
+    healthy = health_advice(rows(0.02, 0.5, 100.0), total_memory_mb=1000.0)
     assert healthy.ok and [c.ok for c in healthy.checks] == [None, True, True]
     starved = health_advice(rows(0.4, 0.5, 950.0), total_memory_mb=1000.0)
     assert not starved.ok and [c.ok for c in starved.checks] == [None, False, False]
@@ -31,6 +31,17 @@ def test_health_advice_flags_starved_steps_full_memory_and_idle_gpus():
     assert "waits" in report.checks[0].message and "FIX" in str(report)
     with pytest.raises(ValueError, match="at least one metric row"):
         health_advice([])
+
+
+def test_a_loader_that_makes_steps_wait_is_not_said_to_keep_up():
+    """M2 (book-review-3): the article's criterion (data time below compute time) passed a step that waited
+    90 ms for its batch and computed 100 ms, idle 47 % of the time; the check judges the share of a step spent
+    waiting, the one definition chapter 8 prints beside it, and gives chapter 3's ceiling."""
+    waiting = health_advice(rows(0.09, 0.19, 100.0), total_memory_mb=1000.0).checks[1]
+    assert waiting.ok is False and "waits 47 % of its time" in waiting.message and "1.90x" in waiting.message
+    assert "--workers" in waiting.message and waiting.name == "data wait <= 10 % of a step"
+    quick = health_advice(rows(0.002, 0.102, 100.0), total_memory_mb=1000.0).checks[1]
+    assert quick.ok is True and "waits 2 % of its time" in quick.message and "keeps up" in quick.message
 
 
 class FullNvml(FakeNvml):
