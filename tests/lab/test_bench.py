@@ -176,3 +176,21 @@ def test_time_to_accuracy_runs_each_variant_and_finds_the_first_eval_at_target(s
         assert [step for step, _, _ in row["curve"]] == [2, 4] and 0 < row["training s to it"] < row["training s, all steps"]
     with pytest.raises(BenchError, match="multiple"):
         time_to_accuracy(eval_every=5, print_freq=10)
+
+
+def test_chapter_6s_repeat_check_runs_on_the_cpu_on_a_gpu_machine_too(monkeypatch):
+    """M5 (book-review-3): chapter 6 prints "two CPU runs ..." under nbval; on a GPU machine the pair runs in a
+    fresh process that sees no GPU, so the line is true there and the same as here."""
+    from maskrcnn_tut.lab.bench import harness
+    seen = {}
+
+    def fake_launch(fn, nprocs, *args, backend=None, **_):
+        seen.update(fn=fn, nprocs=nprocs, backend=backend, visible=harness.os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return [[1.0], [1.0]]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(harness.processes, "launch", fake_launch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert bench.cpu_repeated_losses("cfg", 3, 1) == [[1.0], [1.0]]
+    assert seen == {"fn": harness.repeated_losses, "nprocs": 1, "backend": "gloo", "visible": ""}
+    assert harness.os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"  # put back

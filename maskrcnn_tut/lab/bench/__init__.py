@@ -66,6 +66,7 @@ from .harness import (
     measure_worker,
     multiscale_sizes,
     pin_cores,
+    cpu_repeated_losses,
     repeated_losses,
     step_rows,
     training_losses,
@@ -97,5 +98,5 @@ __all__ = [
     "sweep_fast_path", "sweep_loader", "sweep_size", "table",
     "above", "gpu_files", "interval", "projection", "scaling_curve",
     "versus",
-    "time_to_accuracy", "single_device_speed", "repeated_losses", "step_rows", "training_losses",
+    "time_to_accuracy", "single_device_speed", "cpu_repeated_losses", "repeated_losses", "step_rows", "training_losses",
 ]

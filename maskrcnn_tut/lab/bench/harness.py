@@ -207,6 +207,23 @@ def repeated_losses(cfg: Config, steps: int = 3, warmup: int = 1, times: int = 2
     return [training_losses(cfg, steps, warmup) for _ in range(times)]
 
 
+def cpu_repeated_losses(cfg: Config, steps: int = 3, warmup: int = 1) -> list[list[float]]:
+    """`repeated_losses` on the CPU whatever this machine has (chapter 6 asks whether a CPU run repeats, and
+    prints the same line on any machine): in this process without CUDA, else in one fresh process that
+    sees no GPU (`CUDA_VISIBLE_DEVICES` empty while it starts)."""
+    if not torch.cuda.is_available():
+        return repeated_losses(cfg, steps, warmup)
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        return processes.launch(repeated_losses, 1, cfg, steps, warmup, backend="gloo")
+    finally:
+        if hidden is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
+
+
 def step_rows(cfg: Config, steps: int = 6, warmup: int = 1, max_seconds: float | None = None) -> list[dict]:
     """The metrics row (`monitor.metrics_row`: data and compute time, img/s, memory) of each measured
     step of `measure(cfg, steps, warmup, max_seconds=...)`, for `dashboard.plot_metrics`."""
