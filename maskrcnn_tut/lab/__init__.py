@@ -18,7 +18,8 @@ It imports the training core (`maskrcnn_tut`); the core never imports it (tests/
 - `traces`, `diagrams`: a profiled DDP step; DP/DDP and the ring all-reduce drawn from code.
 - `proofs`: exact checks the chapters assert (accumulation equals a large batch, DDP + no_sync,
   gradient noise, first batches with and without set_epoch).
-- `article`: the article's own code and stack, run as written; `preflight`: checks before
+- `article`: the article's own code and stack, run as written; `minimal_ddp`: its training code corrected,
+  one whole DDP script (chapter 4 shows and runs it); `preflight`: checks before
   distributed work on a hub, a stalled rank diagnosed; `dataparallel`: DataParallel for detection
   lists; `synthetic`: synthetic batches.
 - `book`, `dashboard`: the chapters' display helpers and the live training view.
