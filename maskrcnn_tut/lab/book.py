@@ -212,12 +212,17 @@ def show_source(obj, start: str | None = None, stop: str | None = None) -> None:
 
 
 def line_plot(x: Sequence, series: dict[str, Sequence], title: str, xlabel: str, ylabel: str,
-              logx: bool = False, logy: bool = False):
-    """A titled line plot naming this machine; returns the figure."""
+              logx: bool = False, logy: bool = False, bars: bool = False):
+    """A titled line plot naming this machine (grouped bars with `bars`, for x without an order: ranks)."""
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for label, ys in series.items():
-        ax.plot(x, ys, marker="o", label=term(label))
+    width = 0.8 / max(1, len(series))
+    for i, (label, ys) in enumerate(series.items()):
+        if not bars:
+            ax.plot(x, ys, marker="o", label=term(label))
+            continue
+        ax.bar([v + (i - (len(series) - 1) / 2) * width for v in x], ys, width, label=term(label))
+        ax.set_xticks(list(x))
     ax.set(title=f"{term(title)}\n{hardware_label()}", xlabel=term(xlabel), ylabel=term(ylabel))
     if logx:
         ax.set_xscale("log", base=2)
