@@ -124,12 +124,12 @@ def test_versus_and_above_say_too_noisy_when_ranges_overlap():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU run of the real table")
 def test_the_real_table_cached_matches_its_measurements(tmp_path):
     first = across_builds.cached(bench.table, nprocs=1, steps=2, warmup=1, min_size=64, max_size=96, batch_size=2,
-                         directory=tmp_path)
+                                 directory=tmp_path)
     assert first.provenance["cache"]["spread"] is True
     measured = [row for row in first.rows if row.get("img/s")]
     assert measured and all(len(row["step s"]) == 2 and row["img/s lo"] <= row["img/s hi"] for row in measured)
     again = across_builds.cached(bench.table, nprocs=1, steps=2, warmup=1, min_size=64, max_size=96, batch_size=2,
-                         directory=tmp_path)
+                                 directory=tmp_path)
     assert again.provenance["cache"]["hit"] and again.rows[0]["img/s"] == first.rows[0]["img/s"]
 
 

@@ -127,7 +127,7 @@ def test_knob_note_on_the_committed_h200_amp_rows_ranks_nothing():
 
 def test_result_round_trips_and_renders(tmp_path):
     result = BenchResult("amp", "AMP", [{"setting": "fp32", "img/s": 2.0, "peak MiB/device": 900.0}],
-                               bench.SWEEP_COLUMNS, ["bf16 skipped: no bf16 instructions"], provenance.provenance("test"))
+                         bench.SWEEP_COLUMNS, ["bf16 skipped: no bf16 instructions"], provenance.provenance("test"))
     again = BenchResult.load(result.save(tmp_path / "r.json"))
     assert again == result
     assert "| fp32 | 2 |" in again.to_markdown() and "- bf16 skipped" in again.to_markdown()
