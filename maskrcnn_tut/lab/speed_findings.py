@@ -10,7 +10,8 @@ sentences. Nothing here measures, so every branch is tested with hand-made rows.
 - `against_first(result)`: every measured setting of a sweep against its first row (chapter 5).
 - `amp_speed(amp, cuda, capability)`: chapter 5's sentences on its precision sweep, ranked only where the
   rows may be (a CPU's, or a GPU's steady-state rows).
-- `cudnn(sweep)`: fixed against varying image sizes, and cudnn.benchmark on against off (chapter 6).
+- `cudnn(sweep)`: fixed against varying image sizes, and cudnn.benchmark on against off (chapter 6);
+  `fastest(rows)`: the row ahead of all others, if one is.
 - `accumulation(sweep)`: accumulated micro-batches against one large batch (chapter 7).
 - `imbalance(imbalanced, balanced)`, `split_batches(...)`: uneven batches per process (chapter 9).
 - `fast_path(result)`, `time_to_accuracy(result)`: the fast path's settings (chapter 11).
@@ -158,6 +159,17 @@ def cudnn(sweep) -> dict:
                                                                NO_DIFFERENCE).verdict)
     return {"fixed": best["fixed"], "varying": best["varying"],
             "comparison": wording.compare(best["fixed"], best["varying"]), "benchmark": benchmark or None}
+
+
+def fastest(rows: list[dict]) -> tuple[dict | None, dict | None]:
+    """(the row faster than every other at the median step, i.e. whose img/s range lies above all the others',
+    the row ahead of every other by more than `NO_DIFFERENCE` counting every step); None where no row is."""
+    def ahead(row, apart) -> bool:
+        return all(apart(row, other) for other in rows if other is not row)
+    median = [row for row in rows if ahead(row, lambda a, b: wording.compare(a, b).verdict == FASTER)]
+    every = [row for row in rows if ahead(row, lambda a, b: wording.compare_figures(
+        a["img/s all steps"], b["img/s all steps"], NO_DIFFERENCE).verdict == FASTER)]
+    return (median[0] if median else None), (every[0] if every else None)
 
 
 # --------------------------------------------------------------------------- chapters 5 and 7

@@ -368,3 +368,12 @@ def test_pooled_pairs_pool_the_runs_that_kept_their_pairs():
     assert (found["runs"], found["pairs"]) == (2, 7) and found["median %"] == pytest.approx(4.0)
     assert found["lo %"] <= found["median %"] <= found["hi %"] and found["lo %"] >= -10 and found["hi %"] <= 10
     assert speed_findings.pooled_pairs([run([0.9, 1.0, 1.1]), run([1.02, 1.04, 1.06, 1.08])]) == found  # seeded
+
+
+def test_fastest_names_a_row_only_when_it_is_ahead_of_every_other():
+    """Chapter 6's answer on a GPU named the top median and the top 'all steps' figure whatever the spread
+    (review-3: nothing on a page ranks settings whose ranges overlap)."""
+    apart = [row("a", 10.0, **{"img/s all steps": 8.0}), row("b", 13.0, **{"img/s all steps": 9.0})]
+    assert speed_findings.fastest(apart) == (apart[1], apart[1])
+    overlapping = [row("a", 10.0, 0.3, **{"img/s all steps": 8.0}), row("b", 11.0, 0.3, **{"img/s all steps": 8.2})]
+    assert speed_findings.fastest(overlapping) == (None, None)
