@@ -8,8 +8,6 @@ sentences. Nothing here measures, so every branch is tested with hand-made rows.
 - `workers_alone(after, before)`: the workers' CPU per image, and the training process's, against earlier code (chapter 3).
 - `own_work(summary)`: the DDP trace's ranks against one process alone (chapter 4).
 - `against_first(result)`: every measured setting of a sweep against its first row (chapter 5).
-- `amp_speed(amp, cuda, capability)`: chapter 5's sentences on its precision sweep, ranked only where the
-  rows may be (a CPU's, or a GPU's steady-state rows).
 - `cudnn(sweep)`: fixed against varying image sizes, and cudnn.benchmark on against off (chapter 6);
   `fastest(rows)`: the row ahead of all others, if one is.
 - `accumulation(sweep)`: accumulated micro-batches against one large batch (chapter 7).
@@ -179,34 +177,6 @@ def against_first(result) -> list[tuple[dict, Comparison]]:
     """Every measured row after the first, compared with the first (fp32 in the precision sweep)."""
     first, *others = _measured(result)
     return [(row, wording.compare(row, first)) for row in others]
-
-
-def amp_speed(amp, cuda: bool, capability: tuple[int, int] | None) -> dict:
-    """Chapter 5's words on its precision sweep `amp`: "speed", the paragraph under the table, and
-    "measured", the clause of its "What to remember". A CPU's rows, or a GPU's that leave their
-    new-shape steps out (`gpu_files.gpu_file_is_steady`), are compared with fp32 (faster or slower only
-    when the ranges lie apart); a GPU's short windows, in which steps that met a new padded shape weigh
-    heavily, are listed with their spread and ranked against nothing. Worded from the ch05 catalog."""
-    from .bench import gpu_files
-    from .stored.across_builds import spread_text
-    measured = _measured(amp)
-    ranked = not cuda or gpu_files.gpu_file_is_steady(amp)
-    if ranked:
-        others = [wording.say("ch05.other", setting=wording.term(row["setting"]), times=found.times(),
-                              verdict=found.words("fp32")) for row, found in against_first(amp)]
-    else:
-        others = [wording.say("ch05.other_unranked", setting=wording.term(row["setting"]),
-                              rate=spread_text(row, "img/s", ".3g", " img/s")) for row in measured]
-    window = "" if ranked else wording.say(
-        "ch05.gpu_window", steps=", ".join(str(row.get("steps", "?")) for row in measured),
-        warmup=gpu_files.warmup_steps(amp))
-    listed = (wording.say("ch05.others", others=wording.say("ch05.joiner").join(others)) if len(measured) > 1
-              else wording.say("ch05.only_fp32"))
-    speed = wording.say("ch05.speed", count=len(measured), listed=listed,
-                        memory=wording.say("ch05.memory_gpu" if cuda else "ch05.memory_cpu"),
-                        tf32=wording.say("ch05.tf32_row") if capability and capability[0] >= 8 else "", window=window)
-    said = wording.say("ch05.joiner").join(others) if len(measured) > 1 else wording.say("ch05.here_only_fp32")
-    return {"ranked": ranked, "speed": speed, "measured": said + ("" if ranked else wording.say("ch05.short_windows"))}
 
 
 def accumulation(sweep) -> dict | None:

@@ -14,6 +14,7 @@ from maskrcnn_tut.lab.bench import gpu_files
 from maskrcnn_tut.lab.stored.result import BenchResult, load_suite
 
 H200 = book.RESULTS / "1x-nvidia-h200-2026-12-04.json"
+BOOK = book.RESULTS.parent  # the English chapters; the Japanese ones in BOOK / "ja"
 LABEL = {"en": "dominated by first-shape steps", "ja": "新しい形状のステップが大半を占める"}
 #: What names a precision or a cudnn setting, and the words that would rank one.
 SETTING = re.compile(r"fp16|bf16|fp32|float16|bfloat16|benchmark|autocast|AMP|精度")
@@ -199,42 +200,62 @@ def test_a_steady_file_states_the_verdicts_the_rule_gives(lang, tmp_path, monkey
 def markdown_around(number: str, lang: str, call: str) -> str:
     """The markdown cells just before and after the code cell that makes `call`, in a chapter of either edition."""
     import nbformat
-    folder = book.RESULTS.parent / ("ja" if lang == "ja" else "")
+    folder = BOOK / ("ja" if lang == "ja" else "")
     cells = nbformat.read(next(folder.glob(f"{number}_*.ipynb")), as_version=4).cells
     at = next(i for i, cell in enumerate(cells) if cell.cell_type == "code" and call in cell.source)
     return "\n".join(cell.source for cell in (cells[at - 1], cells[at + 1]) if cell.cell_type == "markdown")
 
 
+def chapter_5_prose(lang: str, amp: BenchResult, cuda: bool, capability, monkeypatch) -> list[str]:
+    """What chapter 5's own speed cells print (the table's paragraph, its own sweep on the H200, NVIDIA's figure,
+    its "What to remember") when its live sweep gave `amp` on a machine with or without CUDA: the chapter's code
+    cells, run as they are, in the edition `lang`, with everything they read from earlier cells given."""
+    import matplotlib
+    import nbformat
+
+    from maskrcnn_tut.lab import speed_findings
+    from maskrcnn_tut.lab.stored import across_builds
+    matplotlib.use("Agg")
+    folder = BOOK / ("ja" if lang == "ja" else "")
+    cells = [cell.source for cell in nbformat.read(next(folder.glob("05_*.ipynb")), as_version=4).cells
+             if cell.cell_type == "code"]
+    wanted = ("measured = [row for row", "ranked = not cuda", "bench.gpu_files.chapter5_h200()", "book.PUBLISHED_AMP",
+              '"ch05.remember"')
+    said = []
+    monkeypatch.setattr(book, "prose", said.append)
+    namespace = {"amp": amp, "cuda": cuda, "capability": capability, "book": book, "bench": bench, "wording": wording,
+                 "speed_findings": speed_findings, "across_builds": across_builds, "underflow_unscaled": "1 %",
+                 "underflow_scaled": "0 %", "z": {"scaler off": 4.0, "steps": 4}}
+    for marker in wanted:
+        source = next(cell for cell in cells if marker in cell)
+        exec(compile(source, f"chapter 5 ({marker})", "exec"), namespace)  # noqa: S102 (the chapter's own cell)
+    return said
+
+
 @pytest.mark.parametrize("lang", ["en", "ja"])
-def test_chapter_5_says_what_the_h200_measured_and_ranks_nothing(lang, h200_only):
+def test_chapter_5_says_what_the_h200_measured_and_ranks_nothing(lang, h200_only, monkeypatch):
     """H1 (book-review-3): on a GPU, chapter 5's sentences on the H200's rows (its live sweep's, as a hub
     reader's first run would give, the committed file's, its own sweep of that day) rank no precision."""
-    from maskrcnn_tut.lab import speed_findings
     wording.set_language(lang)
     _, parts, _ = load_suite(h200_only / H200.name)
-    words = speed_findings.amp_speed(parts["amp"], cuda=True, capability=(9, 0))
-    published = book.PUBLISHED_AMP
-    remember = wording.say("ch05.remember", unscaled="1 %", scaled="0 %", grew=4.0, steps=4, measured=words["measured"],
-                           low=published["low"], high=published["high"], baseline=published["baseline"],
-                           gpu_file=gpu_files.brief(h200_only, "amp"))
-    own_sweep = gpu_files.chapter5_h200_words()
-    text = "\n".join([words["speed"], remember, own_sweep, wording.say(
-        "ch05.published", low=published["low"], high=published["high"], baseline=published["baseline"],
-        hardware=wording.term(published["hardware"]), images=published["images per GPU"])])
-    assert not words["ranked"] and rankings(text, lang) == []
+    monkeypatch.setattr(book, "RESULTS", h200_only)
+    speed, own_sweep, published, remember = chapter_5_prose(lang, parts["amp"], True, (9, 0), monkeypatch)
+    text = "\n".join([speed, own_sweep, published, remember])
+    assert rankings(text, lang) == []
     # what was measured, with its steps, warm-up and source: the file's windows and the chapter's own run
-    assert "19, 5, 6" in words["speed"] and "2.11.0+cu130" in own_sweep and "docs/measurements.md" in own_sweep
+    assert "19, 5, 6" in speed and "2.11.0+cu130" in own_sweep and "docs/measurements.md" in own_sweep
     assert "9.16" in own_sweep and "2.28-2.71" in own_sweep and " 5 " in own_sweep  # 5 of 8 batches met a new shape
-    assert f"{published['low']:.2f}" in text and f"{published['high']:.2f}" in text  # NVIDIA's own figure beside them
+    assert LABEL[lang] in remember  # the committed file's label, in "What to remember"
+    low, high = book.PUBLISHED_AMP["low"], book.PUBLISHED_AMP["high"]
+    assert f"{low:.2f}" in published and f"{high:.2f}" in published  # NVIDIA's own figure beside them
 
 
-def test_chapter_5_ranks_a_cpus_rows_whose_ranges_lie_apart():
-    """The same words on a CPU's sweep do rank, so the test above would catch a ranking."""
-    from maskrcnn_tut.lab import speed_findings
-    rows = [{"setting": "fp32 (no autocast)", "img/s": 10.0, "img/s lo": 9.8, "img/s hi": 10.2, "steps": 8},
-            {"setting": "bf16 autocast", "img/s": 14.0, "img/s lo": 13.7, "img/s hi": 14.3, "steps": 8}]
-    words = speed_findings.amp_speed(BenchResult("amp", "AMP", rows, ["setting", "img/s"]), cuda=False, capability=None)
-    assert words["ranked"] and "faster than fp32" in words["speed"] and rankings(words["speed"], "en")
+def test_chapter_5_ranks_a_cpus_rows_whose_ranges_lie_apart(monkeypatch):
+    """The same cells on a CPU's sweep do rank, so the test above would catch a ranking."""
+    rows = [{"setting": "fp32 (no autocast)", "img/s": 10.0, "img/s lo": 9.8, "img/s hi": 10.2, "steps": 8, "peak MiB/device": 9},
+            {"setting": "bf16 autocast", "img/s": 14.0, "img/s lo": 13.7, "img/s hi": 14.3, "steps": 8, "peak MiB/device": 8}]
+    speed, *_ = chapter_5_prose("en", BenchResult("amp", "AMP", rows, ["setting", "img/s"]), False, None, monkeypatch)
+    assert "faster than fp32" in speed and rankings(speed, "en")
 
 
 @pytest.mark.parametrize("lang", ["en", "ja"])

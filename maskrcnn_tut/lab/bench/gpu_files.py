@@ -17,7 +17,7 @@ worded by `steady_sentences`, the one place a chapter's GPU-file verdicts come f
   sentence per file for a chapter's "What to remember".
 - `steady_sentences(result)`: the hook for a steady file's verdicts (none yet).
 - `CHAPTER5_H200`, `chapter5_h200()`: chapter 5's own precision sweep on the same H200, the same day (kept in
-  docs/measurements.md, not in a results file), and what it measured.
+  docs/measurements.md, not in a results file), and what it measured (chapter 5 words it).
 """
 from __future__ import annotations
 
@@ -66,17 +66,6 @@ def chapter5_h200() -> dict:
     measured = range(run["warmup"] + 1, run["warmup"] + run["steps"] + 1)
     return {**run, "new": sum(batch in run["first_shapes"] for batch in measured),
             "rates": [(row["setting"], spread_text(row, "img/s", ".3g", " img/s")) for row in run["rows"]]}
-
-
-def chapter5_h200_words() -> str:
-    """`chapter5_h200` as chapter 5 says it (its catalog's "h200_sweep"): the rows, and why they rank nothing."""
-    from ..wording import term
-    run = chapter5_h200()
-    rates = say("ch05.joiner").join(say("ch05.other_unranked", setting=term(setting), rate=rate)
-                                    for setting, rate in run["rates"])
-    return say("ch05.h200_sweep", hardware=run["hardware"], torch=run["torch"], steps=run["steps"],
-               warmup=run["warmup"], source=run["source"], rates=rates, new=run["new"],
-               fp32_s=run["new_shape_s"]["fp32"], half_s=run["new_shape_s"]["fp16, bf16"])
 
 
 @dataclass
