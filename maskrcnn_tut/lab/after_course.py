@@ -35,6 +35,7 @@ from ..data.loader import build_dataset
 from ..evaluate import coco_metrics
 from ..model import build_model
 from ..monitor import read_jsonl
+from .book_fonts import fit_titles
 from .wording import say
 
 #: The overfit check passes when the last logged loss is at most this fraction of the first.
@@ -152,8 +153,7 @@ def show_overlays(folder: Path | str, names: Sequence[str], title: str, columns:
         ax.imshow(Image.open(Path(folder) / name))
         ax.set_title(name, fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)
 
 
 def torchvision_files(folder: Path | str) -> dict[str, Path]:

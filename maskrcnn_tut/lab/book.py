@@ -35,6 +35,7 @@ import torch
 from .. import distributed as du
 from ..config import Config, default_preset, make_config
 from . import wording
+from .book_fonts import fit_titles
 from .provenance import hardware, hardware_label
 from .rig import shapes_config, shapes_dataset
 from .stored.result import markdown_table
@@ -230,8 +231,7 @@ def line_plot(x: Sequence, series: dict[str, Sequence], title: str, xlabel: str,
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)
 
 
 def plot_data_vs_compute(result, title: str | None = None):
@@ -250,8 +250,7 @@ def plot_data_vs_compute(result, title: str | None = None):
            xlabel=term("milliseconds per step (median)"))
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)
 
 
 def beside_article(result) -> list[dict]:
@@ -288,8 +287,7 @@ def plot_beside_article(result):
            ylabel=term("speedup over one device (x)"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)
 
 
 def fits_table(result, cards_gb: Sequence[float] = (11, 24, 80), headroom: float = 0.9) -> list[dict]:
@@ -345,8 +343,7 @@ def show_predictions(model, dataset, count: int = 4, top: int = 3, title: str = 
     axes[1, 0].text(-0.08, 0.5, say("book.top_predictions", top=top), rotation=90, va="center",
                     ha="right", transform=axes[1, 0].transAxes)
     fig.suptitle(f"{term(title)}\n{hardware_label()}".strip())
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)
 
 
 def setting_explorer(measure: Callable[..., Any], options: dict[str, Sequence], initial: dict[str, Any]):

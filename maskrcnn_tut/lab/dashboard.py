@@ -23,6 +23,7 @@ from ..config import Config
 from ..engine import StepRecord
 from ..monitor import metrics_row
 from .bench import measure
+from .book_fonts import fit_titles
 from .device_memory import device_memory_mb
 from .health import MAX_MEMORY_FRACTION
 from .nvml import GPUSampler
@@ -57,8 +58,7 @@ def plot_metrics(rows: list[dict], title: str = "Training step", total_memory_mb
     for ax in (ax_time, ax_speed, ax_memory):
         ax.grid(alpha=0.3)
     fig.suptitle(f"{term(title)} — {hardware_label()}")
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)
 
 
 def _in_notebook() -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .book_fonts import fit_titles
 from .wording import say, term
 
 DP_COLOR, DDP_COLOR, COMM_COLOR, IDLE_COLOR = "#c6dbef", "#c7e9c0", "#fdd0a2", "#eeeeee"
@@ -112,8 +113,7 @@ def draw_dataparallel_vs_ddp(devices: int = 3):
     for ax in axes:
         ax.set_axis_off()
     fig.suptitle(say("diagrams.dp_vs_ddp"), fontsize=9)
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)
 
 
 @dataclass
@@ -200,5 +200,4 @@ def draw_ring_allreduce(ranks: int = 4):
         ax.set_ylim(-0.2, ranks + 0.6)
     fig.suptitle(say("diagrams.ring_title", ranks=ranks, chunks=2 * (ranks - 1), sent=sent, elements=ranks * 4,
                      ratio=2 * (ranks - 1) / ranks), fontsize=9)
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)

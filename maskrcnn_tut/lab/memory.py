@@ -34,6 +34,7 @@ from ..engine import autocast, autocast_dtype, build_optimizer
 from ..hardware import peak_memory_mb
 from ..model import build_model
 from .bench.harness import environment
+from .book_fonts import fit_titles
 from .device_memory import current_memory_mb, releases_gpu_cache, reset_peak_memory
 from .provenance import provenance
 from .rig import Rig, build_rig, synthetic_batches
@@ -232,8 +233,7 @@ def plot_memory_table(result: BenchResult):
     ax.tick_params(axis="x", rotation=60)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)
 
 
 register_plot("memory", plot_memory_table)

@@ -35,6 +35,7 @@ from torchvision.models.detection import MaskRCNN
 
 from ..config import Config
 from .bench.harness import multiscale_sizes
+from .book_fonts import fit_titles
 from .memory import breakdown
 from .rig import build_rig, synthetic_batches
 from .wording import say, term
@@ -208,8 +209,7 @@ def plot_memory_timelines(timelines: list[MemoryTimeline], title: str, hardware:
     axes[0, 0].set_ylabel(term("MiB held"))
     axes[0, 0].legend(fontsize=7, loc="center left")
     fig.suptitle(f"{term(title)}\n{hardware}", fontsize=9)
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)
 
 
 def cuda_memory_timeline(cfg: Config, batch_size: int, path: Path | str,

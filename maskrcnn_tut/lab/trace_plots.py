@@ -11,6 +11,7 @@ Titles, labels and lanes are in the book's language (`wording`).
 """
 from __future__ import annotations
 
+from .book_fonts import fit_titles
 from .traces import DATA, FORWARD, NO_SYNC_ACCUM, SMALL_BUCKET_MB, STEP, DDPTrace
 from .wording import say, shown, term
 
@@ -72,8 +73,7 @@ def plot_steps(trace: DDPTrace, phases: tuple[str, ...], title: str):
     fig.legend(handles, labels, fontsize=7, ncol=4, loc="lower center")
     fig.suptitle(f"{term(title)}\n" + say("trace_plots.steps_subtitle", batch=trace.batch_size,
                                                        hardware=shown(trace.hardware)), fontsize=9)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    return fig
+    return fit_titles(fig, rect=(0, 0.1, 1, 1))
 
 
 def plot_buckets(trace: DDPTrace, phase: str = "ddp_small_buckets"):
@@ -95,5 +95,4 @@ def plot_buckets(trace: DDPTrace, phase: str = "ddp_small_buckets"):
            title=say("trace_plots.buckets_title", cap=_cap(trace, phase), hardware=shown(trace.hardware)))
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)

@@ -30,6 +30,7 @@ import torch
 
 from ...errors import BenchError
 from ...hardware import usable_cores
+from ..book_fonts import fit_titles
 from ..provenance import provenance
 from ..stored.across_builds import cached
 from ..stored.result import BenchResult, python_call
@@ -241,8 +242,7 @@ def plot_scaling(curve: BenchResult | None, paper: list[dict], title: str, artic
            ylabel=term("scaling efficiency (% of N x one device)"))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)
 
 
 SECONDS_PER_DAY = 86_400

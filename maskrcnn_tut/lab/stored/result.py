@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..book_fonts import fit_titles
 from ..wording import MESSAGES, english, from_json, language, say, shown, shown_rows, term, to_json
 
 
@@ -115,8 +116,7 @@ def _plot_sweep(result: BenchResult):
         ax.invert_yaxis()
         ax.grid(alpha=0.3, axis="x")
     fig.suptitle(f"{shown(result.title)} — {shown(result.provenance.get('hardware', ''))}")
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)
 
 
 def _plot_table(result: BenchResult):
@@ -141,8 +141,7 @@ def _plot_time_to_accuracy(result: BenchResult):
            title=f"{shown(result.title)}\n{shown(result.provenance.get('hardware', ''))}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
+    return fit_titles(fig)
 
 
 _PLOTS: dict[str, Callable] = {"table": _plot_table, "time-to-accuracy": _plot_time_to_accuracy}
