@@ -57,11 +57,14 @@ class HealthReport:
 
     def __str__(self) -> str:
         marks = {True: "ok", False: "FIX", None: "n/a"}
-        return "\n".join(f"{wording.term(marks[c.ok]):<4} {c.name}: {c.message}" for c in self.checks)
+        named = wording.MESSAGES[wording.language()]["named"]  # "name: text", in Japanese with a full-width colon
+        return "\n".join(f"{wording.term(marks[c.ok]):<4} " + named.format(name=c.name, text=c.message)
+                         for c in self.checks)
 
     def _repr_markdown_(self) -> str:
         marks = {True: f"**{wording.term('ok')}**", False: f"**{wording.term('fix')}**", None: wording.term("n/a")}
-        return "\n".join(f"- {marks[c.ok]} {c.name}: {c.message}" for c in self.checks)
+        named = wording.MESSAGES[wording.language()]["named"]
+        return "\n".join(f"- {marks[c.ok]} " + named.format(name=c.name, text=c.message) for c in self.checks)
 
 
 def health_advice(rows: list[dict], gpus: list[dict] | GPUSampler | None = None,

@@ -66,6 +66,7 @@ MESSAGES = {
         "noise": "the ranges overlap",
         "times": "{ratio:.2f} times",
         "x": "x",
+        "named": "{name}: {text}",
     },
     # Japanese: "within noise of X" is 「X との差がばらつきの範囲内」 (the glossary's rendering, book/ja/glossary.md),
     # a clause that reads alone and after a topic (「固定サイズは…」); a space between a name and the kana after it
@@ -81,6 +82,7 @@ MESSAGES = {
         "noise": "範囲が重なっています",
         "times": "{ratio:.2f} 倍",
         "x": " 倍",
+        "named": "{name}：{text}",
     },
 }
 
