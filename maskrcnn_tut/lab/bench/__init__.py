@@ -43,9 +43,9 @@ the chapters), `cli` (the shell), `overhead`, `pipeline` (the loop with its load
 to accuracy), `profile` (what a step's host time goes to),
 `projection` (the article's table taken apart, scaling on paper, `scaling_curve`, days for COCO),
 `coco_scale` (start-up time and memory at COCO scale), `peer` (the package beside torchvision's detection
-reference, same data and machine, both in steady state), `shown` (what a result records is English,
-in files, the cache and the shell; `shown(text)` reads it back in the book's language, as
-`BenchResult.to_markdown`, its plots and `book.show_table` do). `single_device_speed()` is one
+reference, same data and machine, both in steady state). A result records its sentences as their
+catalog keys and values (`wording.english`), which the book words in its own language (`wording.shown`).
+`single_device_speed()` is one
 device's speed (chapter 1). What a benchmark returns and the caches that keep it are in `lab/stored/`
 (`result`, `across_builds.cached`, `within_build.once`).
 """
