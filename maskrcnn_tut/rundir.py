@@ -1,8 +1,9 @@
 """A run's output folder: one run at a time, and an earlier run set aside whole, never mixed or lost.
 
-- `claim(out, info)`: rank 0 takes an exclusive lock on `out/.lock` (held until the process exits)
-  and writes who holds it; a second run on the same folder stops with one line naming the holder.
-  Every rank learns the outcome, so no rank trains alone.
+- `claim(out, info)`: rank 0 takes an exclusive lock on `out/.lock` and writes who holds it; a
+  second run on the same folder stops with one line naming the holder. Every rank learns the
+  outcome, so no rank trains alone. The lock lasts while the run does (`releasing`, around
+  `train.run`): a notebook that runs again in the same folder, or a run after it, finds it free.
 - `check_layout(out)`: the folder's entries have the kinds a run writes (`checkpoints` a folder,
   `metrics.jsonl` a file, ...), else one line before any work.
 - `set_aside_earlier_run(out)`: a fresh run (no `--resume`) in a used folder moves every file of
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -30,7 +32,7 @@ LOG_FILES = ("metrics.jsonl", "eval.jsonl")
 LOCK_NAME = ".lock"
 
 log = logging.getLogger(__name__)
-_held = []  # open lock files of this process (the lock lasts as long as the file stays open)
+_held = []  # open lock files of this process (a lock lasts as long as its file stays open)
 
 
 def _lock(out: Path) -> None:
@@ -65,9 +67,17 @@ def claim(out: Path, info: du.DistInfo) -> None:
         raise ConfigError(problem)
 
 
-def release() -> None:
-    while _held:
-        _held.pop().close()
+def releasing(run):
+    """`run`, releasing the locks it took (`claim`) when it returns or fails."""
+    @functools.wraps(run)
+    def released(*args, **kwargs):
+        before = len(_held)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            while len(_held) > before:
+                _held.pop().close()
+    return released
 
 
 def check_layout(out: Path) -> None:

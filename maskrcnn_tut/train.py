@@ -87,6 +87,7 @@ def evaluate_checkpoint(cfg: Run, info: du.DistInfo, found: tuple[Path, dict] | 
     return metrics or {}
 
 
+@rundir.releasing  # the output folder is this run's until it returns or fails
 def run(settings: Config) -> dict:
     """The whole job in this process; returns the final metrics (on rank 0)."""
     # settings and processes: one process per GPU (or a share of the CPU cores each); `cfg` is the

@@ -10,6 +10,9 @@ import pytest
 from conftest import run_flags, run_train, subprocess_env, train_command
 
 from maskrcnn_tut import checkpoint as ckpt
+from maskrcnn_tut import distributed as du
+from maskrcnn_tut import rundir, train
+from maskrcnn_tut.errors import DataError
 from maskrcnn_tut.monitor import read_jsonl
 
 pytestmark = pytest.mark.system
@@ -45,6 +48,24 @@ def test_a_second_run_on_the_same_folder_stops_naming_the_first(small_shapes, tm
     finally:
         first.kill()
         first.wait()
+
+
+def test_a_finished_or_failed_run_frees_the_folder_for_the_next_in_the_same_process(small_shapes, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """train.main again and again in one process (a notebook), with workers, on one folder. Issue 36: the
+    lock lasted as long as the process, so the second run said the folder was "in use by another run
+    (pid <its own>)"."""
+    out = tmp_path / "run"
+    flags = run_flags(small_shapes, out, "--max-steps", "1", "--workers", "2")
+    assert train.main(flags) == 0
+
+    def broken(cfg):
+        raise DataError("no usable images (planted after the folder was claimed)")
+    monkeypatch.setattr(train, "build_datasets", broken)
+    assert train.main(flags) == 2
+    assert _errors(capsys.readouterr().err) == ["error: no usable images (planted after the folder was claimed)"]
+    rundir.releasing(rundir.claim)(out, du.DistInfo())  # free again after the failed run
+    assert [p.name for p in ckpt.numbered(out / "checkpoints")] == ["step_0000001.pt"]  # the first run's, whole
 
 
 def test_a_rerun_without_resume_sets_the_earlier_run_aside_whole(small_shapes, tmp_path):
