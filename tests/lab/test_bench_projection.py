@@ -89,3 +89,12 @@ def test_the_plot_draws_everything(monkeypatch):
     assert any("measured here" in label for label in labels) and any("NVIDIA" in label for label in labels)
     assert sum("on paper" in label for label in labels) == len(projection.LINKS)
     assert fig.axes[0].get_ylabel().startswith("scaling efficiency")
+
+
+def test_model_gradient_bytes_of_gpu_r50_on_a_cpu_without_bf16(monkeypatch):
+    """Chapter 8 counts R50-FPN's gradient bytes on any CPU: the preset's --amp is not validated for a count
+    (it stopped chapter 8 on an AVX2 CPU, which has no bf16 instructions)."""
+    from maskrcnn_tut import config
+    from maskrcnn_tut.lab.bench import projection
+    monkeypatch.setattr(config, "cpu_has_bf16", lambda: False)
+    assert projection.model_gradient_bytes("gpu-r50", num_classes=91) == 4 * 44_457_585

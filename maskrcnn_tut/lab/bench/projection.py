@@ -136,7 +136,7 @@ def model_gradient_bytes(preset: str | None = None, num_classes: int | None = No
     `num_classes` classes with the background (default: the benchmark's shapes data; COCO is 91)."""
     from ...data.loader import build_datasets
     from ...model import build_model
-    cfg = bench_config(preset, None)
+    cfg = bench_config(preset, None, amp=False)  # the gradients are fp32 whatever --amp (gpu-r50 turns it on) says
     if num_classes is None:
         num_classes = build_datasets(cfg)[0].num_classes
     return gradient_bytes(build_model(cfg, num_classes))
