@@ -7,7 +7,8 @@ processes started by `processes.launch` (gloo) so the figures are not mixed up:
 
 - start-up: seconds until `CocoDetection` is ready to train, the first time (cleaning every
   image and annotation) and once its cleaned records are cached, with N ranks starting together;
-- memory: resident MB the dataset adds to a training process (after start-up, and at the peak);
+- memory: resident MB the dataset adds to a training process (after start-up, and at the peak),
+  and the largest process's peak resident MB (a rank, or one of the processes it forks to clean);
 - workers: private MB each of 4 DataLoader workers holds after reading 1 and 3 epochs' share of
   records, after a full garbage collection in the worker, and while decoding real batches;
 - evaluation: seconds and MB to gather 5k images' detections across 2 ranks (gloo).
@@ -126,6 +127,12 @@ def _private_mb(pid: int | str = "self") -> float:
     return fields["Private_Clean"] + fields["Private_Dirty"]
 
 
+def _children_peak_mb() -> float:
+    """Peak resident MB of the largest finished child (the forked cleaners)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
 def _cpu_s() -> float:
     """CPU seconds of this process and its finished children (the forked cleaners)."""
     import resource
@@ -160,6 +167,7 @@ def startup_worker(out: Path, cache_dir: str | None) -> list[dict]:
         "ready_s": round(ready, 1), "cpu_s": round(cpu, 1), "load_avg": round(os.getloadavg()[0], 1),
         "images": len(dataset), "dataset_rss_mb": round(current_memory_mb(CPU) - rss),
         "dataset_uss_mb": round(_private_mb() - private), "peak_rss_mb": round(peak_memory_mb(CPU) - rss),
+        "process_peak_mb": round(max(peak_memory_mb(CPU), _children_peak_mb())),
         "problems": dict(dataset.report.counts)})
 
 
@@ -289,7 +297,8 @@ def _ranks_together(out: Path, cache_dir: str, ranks: int) -> dict:
     figures = processes.launch(startup_worker, ranks, out, cache_dir, backend="gloo")
     return {"ranks": ranks, "all_ready_s": round(time.perf_counter() - started, 1),
             "rank_ready_s": [f["ready_s"] for f in figures],
-            "rank_dataset_rss_mb": [f["dataset_rss_mb"] for f in figures]}
+            "rank_dataset_rss_mb": [f["dataset_rss_mb"] for f in figures],
+            "rank_peak_mb": [f["process_peak_mb"] for f in figures]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,6 +343,9 @@ def measure(argv: list[str] | None = None) -> int:
         shutil.rmtree(cache, ignore_errors=True)
         results["ranks_first_start"] = _ranks_together(args.out, cache, args.ranks)
         print("ranks starting together:", results["ranks_first_start"], flush=True)
+    peaks = [results[k]["process_peak_mb"] for k in ("first_start", "cached_start") if k in results]
+    if peaks or "ranks_first_start" in results:  # a rank or one of its cleaners, whichever peaked highest
+        results["startup_largest_process_mb"] = max(peaks + results.get("ranks_first_start", {}).get("rank_peak_mb", []))
     if "workers" not in args.skip:
         results["workers"] = processes.launch(workers_worker, 1, args.out, cache, args.workers, 50, backend="gloo")
         print("workers:", results["workers"], flush=True)
