@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import errno
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import Config, Run
-from .errors import ConfigError, PeerFailure, RendezvousError, UserError, print_error
+from .errors import ConfigError, OutputError, PeerFailure, RendezvousError, UserError, print_error
 from .hardware import ddp_buffer_sync_keyword, gpus_torch_cannot_use, usable_cores
 from .rendezvous import NETWORK_SIGNS, PORT_TAKEN_SIGNS, rendezvous_error, round_store
 
@@ -131,6 +132,24 @@ def peer_failure(err: BaseException) -> PeerFailure | None:
                        "so this one stops too (" + text.strip().splitlines()[0][:300] + ")")
 
 
+def no_space(err: BaseException) -> OutputError | None:
+    """`err` as one line when a full disk caused it (an OSError ENOSPC in its chain, or a compiler's output
+    that says so: torch.compile's g++ writing into a full TMPDIR); else None."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            where = f"{err.filename}: {err.strerror}" if err.filename else str(err)
+        else:
+            where = next((line.strip().split("error: ")[-1] for line in str(err).splitlines()
+                          if os.strerror(errno.ENOSPC) in line), None)
+        if where:
+            rank = f"rank {info().rank}: " if info().world_size > 1 else ""
+            return OutputError(f"{rank}a disk is full ({where[:300]}); free space there. A run writes to its output "
+                               f"folder, torch.compile and its compiler to TMPDIR (now {os.environ.get('TMPDIR', '/tmp')}; "
+                               "compiled kernels: TORCHINDUCTOR_CACHE_DIR)")
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def interrupted(rank: int | None = None) -> int:
     """For a CLI's `except KeyboardInterrupt` (Ctrl-C reaches every rank, and torchrun sends another):
     one line on rank 0's stderr, the same in torchrun's error file; a later Ctrl-C ends the process at
@@ -172,8 +191,8 @@ def run_cli(body: Callable[[], object]) -> int:
     """A command line's exit-code contract (`errors.py`), for `train.py` and `predict` alike: logging
     to stderr (the other ranks' at WARNING only), then `body()`, then 0. A `UserError` ends as one line
     (`report`) and its exit code; Ctrl-C as `interrupted`; a RuntimeError that means another rank died
-    or hung (`peer_failure`) as one line and exit 4; any other error keeps its traceback. The process
-    leaves its group (`shutdown`) in every case."""
+    or hung (`peer_failure`) as one line and exit 4, a full disk (`no_space`) as one line and exit 2;
+    any other error keeps its traceback. The process leaves its group (`shutdown`) in every case."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     rank = env_world()[0]
     if rank != 0:
@@ -185,8 +204,8 @@ def run_cli(body: Callable[[], object]) -> int:
         return err.exit_code
     except KeyboardInterrupt:
         return interrupted(rank)
-    except RuntimeError as err:
-        failure = peer_failure(err)
+    except (RuntimeError, OSError) as err:
+        failure = (peer_failure(err) if isinstance(err, RuntimeError) else None) or no_space(err)
         if failure is None:
             raise
         report(failure, rank)

@@ -74,3 +74,38 @@ def test_a_resume_drops_a_half_written_row_with_a_warning(tmp_path, caplog):
         assert rundir.drop_replayed_rows(tmp_path, 2) == 1
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 1.0}]
     assert _warnings(caplog, "dropped 1 line(s) that are no whole JSON row (line 4")
+
+
+def _compiler_cannot_write(full) -> None:
+    """What torch.compile raised when g++ could not write its temporary file into a full TMPDIR."""
+    from torch._inductor.exc import CppCompileError, InductorError
+
+    output = f"cpp_prefix.h:1508:2: fatal error: error closing {full}/ccs8pRFK.s: No space left on device"
+    try:
+        raise CppCompileError(["g++", "-x", "c++-header", "prefix.h"], output + "\ncompilation terminated.")
+    except CppCompileError as err:
+        raise InductorError(err, None) from err
+
+
+@pytest.mark.parametrize("fault", ["compiler", "cache-write"])
+def test_a_full_tmp_is_one_line(fault, tmp_path, monkeypatch, capsys):
+    """`/tmp` full (issue 36 probe): train.py with --compile-backbone ended in a 100-line traceback from
+    torch.compile at its first step (g++'s temporary files live in TMPDIR, so do compiled kernels without
+    TORCHINDUCTOR_CACHE_DIR). Without --compile-backbone, training and predict write nothing there."""
+    from maskrcnn_tut import distributed as du
+
+    with tmpfs(tmp_path / "tmp", size="16k") as full:
+        monkeypatch.setenv("TMPDIR", str(full))
+
+        def first_step():
+            if fault == "compiler":
+                _compiler_cannot_write(full)
+            (full / "kernel.py").write_text("x" * 100_000)  # inductor writing a kernel's code
+
+        code = du.run_cli(first_step)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    [line] = err.strip().splitlines()
+    assert line.startswith("error: a disk is full (") and f"TMPDIR (now {full};" in line, line
+    if fault == "compiler":
+        assert f"(error closing {full}/ccs8pRFK.s: No space left on device)" in line, line
