@@ -34,6 +34,8 @@ CSS = f"""@font-face {{
   --pst-font-family-heading: "{FAMILY}", var(--pst-font-family-base-system);
   --pst-font-family-monospace: var(--pst-font-family-monospace-system), "{FAMILY}";
 }}
+/* Japanese table headers break at their spaces, not inside a word (「画像サイ/ズ」) */
+html[lang="ja"] th {{ word-break: keep-all; }}
 """
 
 
