@@ -27,6 +27,7 @@ from . import distributed as du
 from .config import Config, Run
 from .data.loader import to_device
 from .errors import NonFiniteLossError, UnusedParametersError
+from .hardware import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ class TrainState:
 
 def configure_runtime(cfg: Run, device: torch.device) -> None:
     """cuDNN and determinism flags (chapter 6), and TF32 matmuls on Ampere and later GPUs; a warning
-    for bfloat16 on a GPU older than Ampere, which only emulates it."""
+    for bfloat16 on a GPU older than Ampere, which only emulates it; freed host memory kept for reuse
+    (`hardware.keep_freed_memory`: a CPU step would otherwise fault its activations in afresh)."""
+    keep_freed_memory()
     torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import ctypes
 import inspect
 import math
 import os
@@ -188,6 +189,29 @@ def gpus_torch_cannot_use() -> str | None:
 
 
 # --------------------------------------------------------------------------- memory
+
+
+#: glibc's mallopt parameters (malloc.h): the free space kept at the heap's top, and how many mappings it may make.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for the next step instead of handing it back to the kernel.
+
+    By default each tensor above glibc's mmap threshold (32 MB at most) is a mapping of its own, unmapped
+    when freed, so a CPU step's large activations are faulted in as fresh zeroed pages every step: about
+    two million minor faults and several seconds of system CPU per R50-FPN step at 800 px
+    (docs/measurements.md). With mappings and trimming off, the heap keeps its pages and the next step
+    reuses them; the process's resident memory stays near its peak instead of falling between steps.
+    A process whose environment sets glibc's tunables (`MALLOC_*_`, `GLIBC_TUNABLES`) keeps them.
+    Returns whether the setting took (False off glibc)."""
+    if "GLIBC_TUNABLES" in os.environ or any(name.startswith("MALLOC_") for name in os.environ):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def proc_status_kib(field_name: str) -> float | None:
