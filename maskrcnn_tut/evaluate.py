@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import io
 import logging
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
+from torchvision.models.detection.roi_heads import expand_boxes, expand_masks, paste_mask_in_image
 from tqdm.auto import tqdm
 
 from . import distributed as du
@@ -27,21 +29,36 @@ METRICS = ("AP", "AP50", "AP75")
 log = logging.getLogger(__name__)
 
 
+def binary_masks(output: dict, threshold: float = 0.5) -> Iterator[torch.Tensor]:
+    """Each detection's mask of `output` as a bool image-sized CPU tensor, one at a time: torchvision's
+    pasted masks thresholded, or, where `output` holds the model's 28x28 masks and its "image_size"
+    (`predict`'s post-processing), each pasted as torchvision pastes it, when it is needed."""
+    if "image_size" not in output:
+        yield from (output["masks"][:, 0] > threshold).cpu()
+        return
+    height, width = output["image_size"]
+    for mask, box in zip(output["masks"], output["boxes"]):
+        padded, scale = expand_masks(mask[None], padding=1)
+        yield (paste_mask_in_image(padded[0, 0], expand_boxes(box[None], scale).long()[0], height, width)
+               > threshold).cpu()
+
+
 def to_coco_results(outputs: list[dict], image_ids: list[int], label_to_cat: dict[int, int],
                     mask_threshold: float = 0.5) -> list[dict]:
-    """Model outputs (XYXY boxes, soft masks, contiguous labels) as COCO result dicts."""
+    """Model outputs (XYXY boxes, soft masks, contiguous labels) as COCO result dicts, masks as RLE
+    (encoded one at a time: a full-size mask per detection is held only while it is encoded)."""
     results = []
     for output, image_id in zip(outputs, image_ids):
         boxes = output["boxes"].float().cpu()
         scores = output["scores"].float().cpu().tolist()
         labels = output["labels"].cpu().tolist()
-        masks = (output["masks"][:, 0] > mask_threshold).cpu().numpy().astype(np.uint8) if "masks" in output else None
+        masks = binary_masks(output, mask_threshold) if "masks" in output else None
         xywh = torch.cat([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], dim=1).tolist()
-        for k, (box, score, label) in enumerate(zip(xywh, scores, labels)):
+        for box, score, label in zip(xywh, scores, labels):
             result = {"image_id": int(image_id), "category_id": label_to_cat[int(label)],
                       "bbox": [round(v, 2) for v in box], "score": round(float(score), 5)}
             if masks is not None:
-                rle = mask_utils.encode(np.asfortranarray(masks[k]))
+                rle = mask_utils.encode(np.asfortranarray(next(masks).numpy().astype(np.uint8)))
                 rle["counts"] = rle["counts"].decode("ascii")
                 result["segmentation"] = rle
             results.append(result)

@@ -3,13 +3,15 @@ drawing utilities and PIL: what `python -m maskrcnn_tut.predict` writes beside i
 from __future__ import annotations
 
 import colorsys
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from PIL import Image
-from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
+from torchvision.utils import draw_bounding_boxes
 
 from .atomic import atomic_write
+from .evaluate import binary_masks
 
 #: JPEG quality of the overlays (PNG inputs keep PNG: lossless in, lossless out).
 JPEG_QUALITY = 90
@@ -31,12 +33,26 @@ def draw(image: torch.Tensor, output: dict, class_names: list[str], threshold: f
     colors = class_colors(len(class_names) + 1)
     box_colors = [colors[int(label)] for label in labels]
     if "masks" in output:
-        masks = output["masks"][keep][:, 0].cpu() > mask_threshold
-        image = draw_segmentation_masks(image, masks, alpha=0.45, colors=box_colors)
+        shown = {key: value[keep] if key in ("masks", "boxes") else value for key, value in output.items()}
+        image = paint_masks(image, binary_masks(shown, mask_threshold), box_colors)
     names = [class_names[int(label) - 1] if 0 < int(label) <= len(class_names) else str(int(label))
              for label in labels]
     text = [f"{name} {float(score):.2f}" for name, score in zip(names, scores)]
     return draw_bounding_boxes(image, boxes, labels=text, colors=box_colors, width=2)
+
+
+def paint_masks(image: torch.Tensor, masks: Iterable[torch.Tensor], colors: list[tuple[int, int, int]],
+                alpha: float = 0.45) -> torch.Tensor:
+    """torchvision's `draw_segmentation_masks` (each mask in its colour, overlaps black, blended by
+    `alpha`) for bool masks that come one at a time, so that they are never all held at full size."""
+    painted = image.clone()
+    covered, overlap = (torch.zeros(image.shape[-2:], dtype=torch.bool) for _ in range(2))
+    for mask, color in zip(masks, colors):
+        painted[:, mask] = torch.tensor(color, dtype=image.dtype)[:, None]
+        overlap |= covered & mask
+        covered |= mask
+    painted[:, overlap] = 0
+    return (image * (1 - alpha) + painted * alpha).to(image.dtype)
 
 
 def save(image: torch.Tensor, path: Path) -> None:

@@ -9,7 +9,9 @@ scored; others are numbered after them); and `overlays/`, each image with its de
 (unless `--no-overlays`). An image that cannot be used (unreadable, truncated, a few pixels, a
 strip, a decompression bomb) is skipped and counted, never stopping the run; an --out that cannot be
 written is one line; JSON files are written whole and renamed into place, so an interrupted run
-leaves the previous complete file, never half of one.
+leaves the previous complete file, never half of one. SIGTERM or SIGUSR1 (a scheduler's, or torchrun's
+passing one on) ends every process after its current batch: detections.json and images.json then
+hold the images predicted by then, and the run ends with one line, exit 143; a rerun predicts them all.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import sys
@@ -29,6 +32,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
+from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.transforms.v2 import functional as F
 from tqdm.auto import tqdm
 
@@ -40,9 +44,10 @@ from .config import Config, derive
 from .data.clean import category_labels, load_coco_json, resize_fails
 from .data.coco import read_rgb
 from .data.loader import collate, dataset_paths, iterate, to_device
-from .errors import ConfigError, DataError, OutputError
+from .errors import ConfigError, DataError, OutputError, Preempted
 from .evaluate import gather_results, to_coco_results
 from .flags import add_flags
+from .preemption import StopRequest
 
 log = logging.getLogger("maskrcnn_tut.predict")
 
@@ -52,7 +57,7 @@ IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".we
 MIN_SIDE = 8
 #: Skipped images whose reason is logged one by one; later ones are counted only.
 LOGGED_SKIPS = 5
-#: A single process rewrites detections.json every this many batches (a long run keeps what it did).
+#: A single process rewrites detections.json and images.json every this many batches (a long run keeps what it did).
 SAVE_EVERY = 50
 
 
@@ -151,6 +156,18 @@ class ImageFiles(Dataset):
         return (self.items[index], *read_image(self.items[index].path, self.min_size, self.max_size))
 
 
+def postprocess_unpasted(transform, result: list[dict], image_shapes, original_image_sizes) -> list[dict]:
+    """torchvision's post-processing (boxes scaled back to each image) with the masks left at the model's
+    28x28 beside their image's size, for `evaluate.binary_masks` to paste one at a time: torchvision
+    pastes them all as float32 (a 12-megapixel photo's 100 detections: 5 GB, and twice that to stack)."""
+    small = [pred.pop("masks", None) for pred in result]
+    result = GeneralizedRCNNTransform.postprocess(transform, result, image_shapes, original_image_sizes)
+    for pred, masks, size in zip(result, small, original_image_sizes):
+        if masks is not None:
+            pred["masks"], pred["image_size"] = masks, tuple(size)
+    return result
+
+
 def write_json(obj, path: Path) -> None:
     """Write whole, then rename into place (`atomic.atomic_write`): readers see the previous file or the new one."""
     atomic_write(path, lambda f: json.dump(obj, f), mode="w")
@@ -219,13 +236,17 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def predict_shard(model, loader: DataLoader, run_facts, label_to_cat: dict[int, int], class_names: list[str],
-                  args: argparse.Namespace, out: Path, progress: bool) -> tuple[list[dict], list[int], Counter]:
-    """This rank's (COCO results, ids of the images predicted, skips by reason), overlays written
-    as it goes; a single process also rewrites detections.json every `SAVE_EVERY` batches."""
+                  args: argparse.Namespace, out: Path, progress: bool,
+                  stop: StopRequest | None = None) -> tuple[list[dict], list[int], Counter]:
+    """This rank's (COCO results, ids of the images predicted, skips by reason), overlays written as it
+    goes, until its images are done or `stop` is asked; a single process also rewrites detections.json
+    and images.json every `SAVE_EVERY` batches."""
     results, done, skipped = [], [], Counter()
     device = run_facts.device
     batches = tqdm(iterate(loader), desc="predict", unit="batch", total=len(loader), disable=not progress)
     for batch_number, columns in enumerate(batches, 1):
+        if stop is not None and stop.cause:
+            break
         batch = list(zip(*columns))  # (item, image or None, reason) each
         for item, _, reason in (entry for entry in batch if entry[1] is None):
             skipped[reason.split(" ")[0]] += 1
@@ -245,45 +266,58 @@ def predict_shard(model, loader: DataLoader, run_facts, label_to_cat: dict[int, 
                     overlay.save(overlay.draw(image, output, class_names, args.overlay_threshold),
                                  out / "overlays" / item.overlay_name)
         if run_facts.world_size == 1 and batch_number % SAVE_EVERY == 0:
-            with writing(out):
-                write_json(results, out / "detections.json")
+            write_outputs(out, loader.dataset.items, results, done)
     return results, done, skipped
 
 
+def write_outputs(out: Path, items: list[Item], results: list[dict], ids: list[int]) -> None:
+    """detections.json, then images.json of the same images, each written whole (`write_json`)."""
+    predicted = set(ids)
+    with writing(out):
+        write_json(results, out / "detections.json")
+        write_json({str(item.path): item.image_id for item in items if item.image_id in predicted}, out / "images.json")
+
+
 def run(args: argparse.Namespace) -> dict | None:
-    """Predict this rank's share of the images; rank 0 writes the outputs and returns a summary."""
-    info = du.init_distributed(accelerator=args.accelerator or "auto")
-    device = info.device
-    paths = find_images(args.inputs)
-    model, cfg, saved, step = ckpt.model_from_checkpoint(args.checkpoint)
-    model.roi_heads.score_thresh, model.roi_heads.detections_per_img = args.score_threshold, args.max_detections
-    model.to(device)
-    label_to_cat, known_ids = val_index(cfg, saved["num_classes"])
-    items = plan(paths, known_ids)
-    out = Path(args.out)
-    prepare_out(out)
-    if info.is_main:
-        log.info("%s (step %s, %s, %d classes, %d/%d px): %d images on %d process(es)", args.checkpoint, step,
-                 cfg.backbone, saved["num_classes"] - 1, cfg.min_size, cfg.max_size, len(items), info.world_size)
-    shard = ImageFiles(items[info.rank::info.world_size], cfg.min_size, cfg.max_size)
-    loader = DataLoader(shard, batch_size=args.batch_size, num_workers=args.workers, collate_fn=collate)  # packs
-    started = time.perf_counter()
-    with torch.inference_mode():
-        results, done, skipped = predict_shard(model, loader, derive(cfg, info.world_size, device), label_to_cat,
-                                               saved["class_names"], args, out, info.is_main and not args.no_progress)
-    seconds = time.perf_counter() - started
-    gathered = gather_results(results, done)
-    all_skipped = du.all_gather_objects(dict(skipped))
+    """Predict this rank's share of the images; rank 0 writes the outputs and returns a summary. A stop
+    signal (SIGTERM, SIGUSR1, the end of torchrun) ends each rank's loop after its batch; rank 0 writes the
+    images predicted by then and every rank raises `Preempted` (one line, exit 143)."""
+    with StopRequest() as stop:
+        info = du.init_distributed(accelerator=args.accelerator or "auto")
+        device = info.device
+        paths = find_images(args.inputs)
+        model, cfg, saved, step = ckpt.model_from_checkpoint(args.checkpoint)
+        model.roi_heads.score_thresh, model.roi_heads.detections_per_img = args.score_threshold, args.max_detections
+        model.transform.postprocess = functools.partial(postprocess_unpasted, model.transform)
+        model.to(device)
+        label_to_cat, known_ids = val_index(cfg, saved["num_classes"])
+        items = plan(paths, known_ids)
+        out = Path(args.out)
+        prepare_out(out)
+        if info.is_main:
+            log.info("%s (step %s, %s, %d classes, %d/%d px): %d images on %d process(es)", args.checkpoint, step,
+                     cfg.backbone, saved["num_classes"] - 1, cfg.min_size, cfg.max_size, len(items), info.world_size)
+        shard = ImageFiles(items[info.rank::info.world_size], cfg.min_size, cfg.max_size)
+        loader = DataLoader(shard, batch_size=args.batch_size, num_workers=args.workers, collate_fn=collate)  # packs
+        started = time.perf_counter()
+        with torch.inference_mode():
+            results, done, skipped = predict_shard(model, loader, derive(cfg, info.world_size, device), label_to_cat,
+                                                   saved["class_names"], args, out,
+                                                   info.is_main and not args.no_progress, stop)
+        seconds = time.perf_counter() - started
+        gathered = gather_results(results, done)
+        shards = du.all_gather_objects((dict(skipped), len(done), stop.cause))
+        if gathered is not None:
+            write_outputs(out, items, *gathered)
+    predicted, cause = sum(n for _, n, _ in shards), next((c for *_, c in shards if c), None)
+    if cause and predicted + sum(sum(s.values()) for s, _, _ in shards) < len(items):
+        raise Preempted(f"stopped {cause} after predicting {predicted} of {len(items)} images: detections.json and "
+                        f"images.json in {out} hold those {predicted}; rerun to predict them all")
     if gathered is None:
         return None
-    all_results, all_ids = gathered
-    predicted = set(all_ids)
-    with writing(out):
-        write_json(all_results, out / "detections.json")
-        write_json({str(item.path): item.image_id for item in items if item.image_id in predicted}, out / "images.json")
-    counts = sum((Counter(s) for s in all_skipped), Counter())
-    summary = {"images": len(all_ids), "detections": len(all_results), "skipped": dict(counts),
-               "seconds": round(seconds, 2), "img_per_s": round(len(all_ids) / max(seconds, 1e-9), 2)}
+    counts = sum((Counter(s) for s, _, _ in shards), Counter())
+    summary = {"images": predicted, "detections": len(gathered[0]), "skipped": dict(counts),
+               "seconds": round(seconds, 2), "img_per_s": round(predicted / max(seconds, 1e-9), 2)}
     print(f"predicted {summary['images']} images ({summary['detections']} detections) in {summary['seconds']} s, "
           f"{summary['img_per_s']} img/s on {info.world_size} process(es); skipped "
           f"{', '.join(f'{k} {v}' for k, v in counts.items()) or 'none'}; outputs in {out}")
@@ -291,7 +325,8 @@ def run(args: argparse.Namespace) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes (`distributed.run_cli`): 0 done; 2 bad arguments, inputs or checkpoint; 4 another rank failed."""
+    """Exit codes (`distributed.run_cli`): 0 done; 2 bad arguments, inputs or checkpoint; 4 another rank failed;
+    143 stopped by SIGTERM, SIGUSR1 or the end of torchrun (the images predicted by then are written)."""
     def body() -> None:
         args = build_parser().parse_args(argv)
         check_args(args)

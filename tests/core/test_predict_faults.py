@@ -169,3 +169,23 @@ def test_a_full_output_folder_is_one_line(checkpoint, small_shapes, tmp_path, ca
     line = _one_error_line(capsys)
     assert "(No space left on device); free space there or give another --out" in line, line
     assert left == []  # no half-written overlay or temporary file
+
+
+def test_masks_pasted_and_drawn_one_at_a_time_are_torchvision_s():
+    from torchvision.models.detection.roi_heads import paste_masks_in_image
+    from torchvision.utils import draw_segmentation_masks
+
+    from maskrcnn_tut.evaluate import binary_masks
+    from maskrcnn_tut.overlay import paint_masks
+
+    generator = torch.Generator().manual_seed(0)
+    small = torch.rand(7, 1, 28, 28, generator=generator)
+    corners = torch.rand(7, 2, generator=generator) * torch.tensor([90.0, 60.0]) - 5
+    boxes = torch.cat([corners, corners + torch.rand(7, 2, generator=generator) * 40 + 1], dim=1)
+    whole = paste_masks_in_image(small, boxes, (70, 100))[:, 0] > 0.5
+    one_at_a_time = torch.stack(list(binary_masks({"masks": small, "boxes": boxes, "image_size": (70, 100)})))
+    assert torch.equal(one_at_a_time, whole)
+    image = torch.randint(0, 256, (3, 70, 100), dtype=torch.uint8, generator=generator)
+    colors = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (9, 99, 199), (1, 2, 3), (200, 100, 0), (50, 50, 50)]
+    assert torch.equal(paint_masks(image, iter(whole), colors),
+                       draw_segmentation_masks(image, whole, alpha=0.45, colors=colors))
