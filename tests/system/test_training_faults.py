@@ -208,6 +208,63 @@ def test_predict_on_two_ranks_one_killed_ends_the_other_with_exit_4_and_one_line
     assert "maskrcnn_tut/" not in output.replace(str(FAULTY_PREDICT), "")  # no traceback through our code
 
 
+
+def _alive(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (not ended, not a zombie)."""
+    running = []
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                running.append(pid)
+        except OSError:
+            pass
+    return running
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.system
+def test_a_rank_killed_with_loader_workers_running_leaves_one_line_exit_4_and_no_orphans(small_shapes, tmp_path):
+    """Issue 36 probe (already right, kept here): training on 2 processes with 2 DataLoader workers each;
+    rank 1 is SIGKILLed mid-run, torchrun paused meanwhile (as in the predict test above). Rank 0 says so
+    in one line and exits 4 well within --dist-timeout; rank 1's workers, orphaned, end on their own
+    (torch's watchdog sees their parent gone), rank 0's with it; nothing of the run is left."""
+    out, log = tmp_path / "run", tmp_path / "train.log"
+    flags = run_flags(small_shapes, out, "--max-steps", "40", "--workers", "2", "--dist-timeout", "20")
+    proc = _start(train_command(*flags, nproc=2), log)
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_jsonl(out / "metrics.jsonl")) >= 2, proc, log)
+    rank0, rank1 = _worker_pid(proc.pid, rank=0), _worker_pid(proc.pid, rank=1)
+    workers = _children(rank0) + _children(rank1)
+    assert len(workers) == 4, workers
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        os.kill(rank1, signal.SIGKILL)
+        status = _exit_status(rank0, timeout=20)
+        took = time.monotonic() - started
+        deadline = time.monotonic() + 20
+        while _alive(workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        orphans = _alive(workers)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    _finish(proc, 120)
+    output = log.read_text()
+    assert status == 4 and took < 20, (status, took, output[-3000:])
+    ours = [line for line in output.splitlines() if "error: " in line]
+    assert len(ours) == 1 and "rank 0: another rank died or stopped answering" in ours[0], output[-3000:]
+    assert "maskrcnn_tut/" not in output.replace(str(TRAIN_SCRIPT), "")  # no traceback through our code
+    assert orphans == [], f"loader workers still running after their ranks ended: {orphans}"
+
 @pytest.mark.system
 def test_unused_parameters_under_ddp_are_one_line_naming_the_flag(small_shapes, tmp_path):
     out, log = tmp_path / "run", tmp_path / "run.log"
