@@ -251,7 +251,8 @@ def predict_shard(model, loader: DataLoader, run_facts, label_to_cat: dict[int, 
         for item, _, reason in (entry for entry in batch if entry[1] is None):
             skipped[reason.split(" ")[0]] += 1
             if sum(skipped.values()) <= LOGGED_SKIPS:
-                log.warning("skipped %s: %s", item.path, reason)
+                later = "; later skips are only counted, in the summary" if sum(skipped.values()) == LOGGED_SKIPS else ""
+                log.warning("skipped %s: %s%s", item.path, reason, later)
         readable = [(item, image) for item, image, _ in batch if image is not None]
         if not readable:
             continue

@@ -189,3 +189,22 @@ def test_masks_pasted_and_drawn_one_at_a_time_are_torchvision_s():
     colors = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (9, 99, 199), (1, 2, 3), (200, 100, 0), (50, 50, 50)]
     assert torch.equal(paint_masks(image, iter(whole), colors),
                        draw_segmentation_masks(image, whole, alpha=0.45, colors=colors))
+
+
+def test_thousands_of_tiny_images_are_counted_in_a_few_lines(checkpoint, photo, tmp_path, caplog, capsys):
+    """Issue 36 probe (already right but for the lines, kept here): 3,000 4x4 PNGs beside two 8x8 ones,
+    with workers: each tiny one skipped as too_small and counted, 5 named (the fifth says the rest are only
+    counted), one summary line; the 8x8 ones (MIN_SIDE) predicted."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pixels = np.random.default_rng(0).integers(0, 256, (3002, 8, 8, 3), dtype=np.uint8)
+    for k in range(3000):
+        Image.fromarray(pixels[k, :4, :4]).save(folder / f"{k:04d}.png")
+    for k in (3000, 3001):
+        Image.fromarray(pixels[k]).save(folder / f"{k:04d}.png")
+    summary = _predict(checkpoint, tmp_path / "out", folder, workers=2)
+    assert summary["images"] == 2 and summary["skipped"] == {"too_small": 3000}, summary
+    named = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped ")]
+    assert len(named) == predict.LOGGED_SKIPS and named[-1].endswith("later skips are only counted, in the summary")
+    [line] = capsys.readouterr().out.splitlines()
+    assert line.startswith("predicted 2 images (") and "skipped too_small 3000;" in line, line
