@@ -1,6 +1,8 @@
 """`bench.pipeline`: the loop with its workers against the bare step is a like-for-like comparison."""
 from __future__ import annotations
 
+import json
+
 from maskrcnn_tut.lab import bench
 
 
@@ -15,3 +17,4 @@ def test_each_bare_step_repeats_the_loops_step_and_the_workers_cpu_is_read():
     assert loop["worker CPU ms/image"] > 0 and loop["process CPU s/step"] > 0
     assert any("pack into shared memory" in note for note in result.notes)
     assert any("Rounds alternate" in note for note in result.notes)
+    json.dumps(result.to_dict())  # what the bench cache writes: its notes' values are plain data (a device was not)
