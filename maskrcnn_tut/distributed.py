@@ -150,14 +150,18 @@ def no_space(err: BaseException) -> OutputError | None:
     return None
 
 
-def interrupted(rank: int | None = None) -> int:
+#: What Ctrl-C leaves, as train.py says it (`run_cli`'s `kept` for another command).
+CHECKPOINTS_KEPT = "the checkpoints already written are kept (--resume auto continues from the last)"
+
+
+def interrupted(rank: int | None = None, kept: str = CHECKPOINTS_KEPT) -> int:
     """For a CLI's `except KeyboardInterrupt` (Ctrl-C reaches every rank, and torchrun sends another):
     one line on rank 0's stderr, the same in torchrun's error file; a later Ctrl-C ends the process at
     once, without a traceback. Returns the exit code, 130 (128 + SIGINT)."""
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # no second KeyboardInterrupt while saying so
-    line = "interrupted (Ctrl-C); the checkpoints already written are kept (--resume auto continues from the last)"
+    line = f"interrupted (Ctrl-C); {kept}"
     if (env_world()[0] if rank is None else rank) == 0:
         print_error(line)
     record_error_for_torchrun(KeyboardInterrupt(line))
@@ -187,10 +191,10 @@ def report(err: UserError, rank: int) -> None:
     record_error_for_torchrun(err)
 
 
-def run_cli(body: Callable[[], object]) -> int:
+def run_cli(body: Callable[[], object], kept: str = CHECKPOINTS_KEPT) -> int:
     """A command line's exit-code contract (`errors.py`), for `train.py` and `predict` alike: logging
     to stderr (the other ranks' at WARNING only), then `body()`, then 0. A `UserError` ends as one line
-    (`report`) and its exit code; Ctrl-C as `interrupted`; a RuntimeError that means another rank died
+    (`report`) and its exit code; Ctrl-C as `interrupted` (saying what is `kept`); a RuntimeError that means another rank died
     or hung (`peer_failure`) as one line and exit 4, a full disk (`no_space`) as one line and exit 2;
     any other error keeps its traceback. The process leaves its group (`shutdown`) in every case."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
@@ -203,7 +207,7 @@ def run_cli(body: Callable[[], object]) -> int:
         report(err, rank)
         return err.exit_code
     except KeyboardInterrupt:
-        return interrupted(rank)
+        return interrupted(rank, kept)
     except (RuntimeError, OSError) as err:
         failure = (peer_failure(err) if isinstance(err, RuntimeError) else None) or no_space(err)
         if failure is None:

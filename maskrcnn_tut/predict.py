@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         run(args)
 
-    return du.run_cli(body)
+    return du.run_cli(body, kept="the files already in --out are whole; rerun to predict every image")
 
 
 if __name__ == "__main__":

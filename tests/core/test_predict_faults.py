@@ -208,3 +208,22 @@ def test_thousands_of_tiny_images_are_counted_in_a_few_lines(checkpoint, photo, 
     assert len(named) == predict.LOGGED_SKIPS and named[-1].endswith("later skips are only counted, in the summary")
     [line] = capsys.readouterr().out.splitlines()
     assert line.startswith("predicted 2 images (") and "skipped too_small 3000;" in line, line
+
+
+def test_ctrl_c_is_one_line_about_predict_not_checkpoints(checkpoint, small_shapes, tmp_path, monkeypatch, capsys):
+    """Issue 36 probe: Ctrl-C in predict said train.py's line, "the checkpoints already written are kept
+    (--resume auto continues from the last)", of a command that writes none and has no --resume."""
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(predict.overlay, "save", interrupt)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        code = predict.main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"), "--workers", "0",
+                             "--no-progress", str(small_shapes / "val2017")])
+    finally:
+        signal.signal(signal.SIGINT, handler)  # a second Ctrl-C would end the process at once
+    assert code == 130
+    assert _one_error_line(capsys) == ("error: interrupted (Ctrl-C); the files already in --out are whole; rerun "
+                                       "to predict every image")
