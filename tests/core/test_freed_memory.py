@@ -45,7 +45,7 @@ def test_a_steps_large_tensors_are_reused_without_faulting_their_pages_in_again(
     assert kept["kept"] is True
     pages = 32 * 2**20 // 4096  # the smallest tensor's pages
     assert min(default["faults"][4:]) > 3 * pages  # each step maps and faults its tensors in again
-    assert max(kept["faults"][4:]) < pages // 10  # the heap kept the pages: next to nothing
+    assert sum(kept["faults"][4:]) < pages  # the heap kept the pages: at most a little growth, once
     assert kept["peak_mb"] < default["peak_mb"] * 1.5  # kept memory stays near the steps' own peak
 
 
