@@ -179,3 +179,16 @@ def test_chapters_show_measured_prose_in_jupyterlab_and_answer_their_exercises(c
         answers = [c for c in cells if "hide-output" in c.get("metadata", {}).get("tags", [])
                    and f'"ch{chapter[:2]}.answers"' in "".join(c["source"])]
         assert answers, f"{chapter}: its exercises have no collapsed answer"
+
+
+def test_chapter_3s_set_epoch_demonstration_is_not_split():
+    """M1 (book-review-3): the lead-in that ends 'both ways:' is followed by the table it promises, and the
+    section on what the workers cost comes after the set_epoch section, not inside it."""
+    import nbformat
+    cells = nbformat.read(REPO / "book" / "03_dataloader_tuning.ipynb", as_version=4).cells
+    lead = next(i for i, cell in enumerate(cells) if cell.cell_type == "markdown" and "## `set_epoch`" in cell.source)
+    assert cells[lead].source.rstrip().endswith("both ways:")
+    assert cells[lead + 1].cell_type == "code" and "proofs.first_batches" in cells[lead + 1].source
+    workers = next(i for i, cell in enumerate(cells) if cell.source.startswith("## What the workers cost"))
+    batch_stream = next(i for i, cell in enumerate(cells) if "book.show_source(loader.batch_stream)" in cell.source)
+    assert workers > batch_stream > lead
