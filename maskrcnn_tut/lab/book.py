@@ -36,6 +36,7 @@ from .. import distributed as du
 from ..config import Config, default_preset, make_config
 from . import wording
 from .book_fonts import fit_titles
+from .hub_recipe import PUBLISHED_AMP
 from .provenance import hardware, hardware_label
 from .rig import shapes_config, shapes_dataset
 from .stored.result import markdown_table
@@ -43,19 +44,12 @@ from .wording import english, say, shown, shown_rows, term
 
 #: `book/results/`: results measured on other machines, read by both editions' chapters wherever they run.
 RESULTS = Path(__file__).resolve().parents[2] / "book" / "results"
-#: Images in COCO train2017, the dataset behind the usual Mask R-CNN schedules.
-COCO_TRAIN_IMAGES = 118_287
 #: The article's speed table (「モニタリングとベンチマーク分析」), quoted as published: its GPUs, its figures.
 ARTICLE_SPEED_TABLE = [
     {"setup": "Single GPU", "devices": 1, "img/s": 5.2, "memory GB": 10.8, "speedup": 1.0},
     {"setup": "2 GPU (DP)", "devices": 2, "img/s": 9.8, "memory GB": 20.5, "speedup": 1.88},
     {"setup": "4 GPU (DDP)", "devices": 4, "img/s": 19.5, "memory GB": 40.2, "speedup": 3.75},
 ]
-#: NVIDIA's published AMP speed-up for its PyTorch Mask R-CNN against TF32 (DeepLearningExamples,
-#: PyTorch/Segmentation/MaskRCNN: A100-80GB, 12 images per GPU, 1.04x on one GPU and 1.08x on eight);
-#: chapter 5 quotes it, chapter 11 lists it in `PUBLISHED_FAST_PATH`. Not measured by the book.
-PUBLISHED_AMP = {"low": 1.04, "high": 1.08, "baseline": "TF32", "hardware": "A100 (1 and 8 GPUs)",
-                 "images per GPU": 12, "source": "NVIDIA DeepLearningExamples"}
 #: Published figures chapter 11 sets beside the reader's own, quoted with their source and the
 #: conditions they were measured under; none is measured by the book.
 PUBLISHED_FAST_PATH = [
