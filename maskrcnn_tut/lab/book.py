@@ -36,7 +36,7 @@ from .. import distributed as du
 from ..config import Config, default_preset, make_config
 from . import wording
 from .book_fonts import fit_titles
-from .hub_recipe import PUBLISHED_AMP
+from .hub_recipe import COCO_TRAIN_IMAGES, PUBLISHED_AMP  # noqa: F401  (the chapters read book.COCO_TRAIN_IMAGES)
 from .provenance import hardware, hardware_label
 from .rig import shapes_config, shapes_dataset
 from .stored.result import markdown_table
