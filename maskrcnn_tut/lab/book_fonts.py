@@ -6,8 +6,10 @@ Japanese plots, into `_static/` with its licence, and puts it first in the theme
 font families for CJK code points only (`unicode-range`), so Latin text keeps the reader's system
 font. First, not last: appended after the system fonts, Chromium drew bold Japanese (`<strong>`,
 admonition titles, sidebar captions) as empty boxes on a machine without a Japanese font, regular
-text correctly (checked in headless Chromium, 2026-12-03). `_config.yml` names this module under
-`sphinx.extra_extensions`.
+text correctly (checked in headless Chromium, 2026-12-03). The face is declared at weight 400 only: IPAexGothic
+has one weight, and declared for 100-900 the browser drew `<strong>` Japanese at that weight, not bold; at 400
+it draws bold as synthetic bold (checked in headless Chromium, 2026-12-06). `_config.yml` names this module
+under `sphinx.extra_extensions`.
 
 The book's figures use the same font (matplotlib-fontja, `book.set_language("ja")`), and a Japanese title
 is wider than its English one: `fit_titles(fig)`, which every plotting function of the lab ends with,
@@ -26,7 +28,7 @@ CSS = f"""@font-face {{
   font-family: "{FAMILY}";
   src: url("ipaexg.ttf") format("truetype");
   unicode-range: {CJK_RANGES};
-  font-weight: 100 900;
+  font-weight: 400;
   font-display: swap;
 }}
 :root {{
@@ -34,8 +36,8 @@ CSS = f"""@font-face {{
   --pst-font-family-heading: "{FAMILY}", var(--pst-font-family-base-system);
   --pst-font-family-monospace: var(--pst-font-family-monospace-system), "{FAMILY}";
 }}
-/* Japanese table headers break at their spaces, not inside a word (「画像サイ/ズ」) */
-html[lang="ja"] th {{ word-break: keep-all; }}
+/* Japanese table headers break at their spaces, not inside a word (「画像サイ/ズ」); so do the glossary's terms */
+html[lang="ja"] th, html[lang="ja"] .glossary td:nth-child(-n+4) {{ word-break: keep-all; }}
 """
 
 

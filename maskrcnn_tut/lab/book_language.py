@@ -11,8 +11,8 @@ English. For each page under `book/ja/` this extension, on `html-page-context`:
 - renders the theme's template strings through Japanese catalogs: Sphinx's, pydata-sphinx-theme's and
   sphinx-book-theme's own `ja` catalogs, with `terms.json`'s entries for the strings they leave in English
   (`CHROME`, the English messages looked up there first);
-- words sphinx-togglebutton's "Click to show/hide" hint, and the permalinks' titles already in the page's
-  body, in Japanese.
+- words sphinx-togglebutton's "Click to show/hide" hint, and the chrome already in the page's body (the
+  permalinks' titles, the labels of hidden cells and answers), in Japanese.
 
 Every other page is rendered with the project's (English) catalogs, as before: the swap is undone on
 the next page. `_config.yml` names this module under `sphinx.extra_extensions`.
@@ -37,12 +37,17 @@ CHROME = ("Search", "Search this book", "Search the docs ...", "Site Navigation"
           "previous page", "next page", "Click to show", "Click to hide", "Contents", "Skip to main content",
           "Back to top", "Color mode", "Toggle navigation", "Toggle primary sidebar", "Toggle secondary sidebar",
           "Download this page", "Fullscreen mode", "Print to PDF", "Download notebook file",
-          "Download source file", "By", "Launch", "Main")
+          "Download source file", "By", "Launch", "Main", "Toggle hidden content", "Show the answers",
+          "Hide the answers", "Show code cell output", "Hide code cell output", "Show code cell outputs",
+          "Hide code cell outputs", "Show code cell source", "Hide code cell source", "Show code cell content",
+          "Hide code cell content")
 #: Chrome the themes' templates write in English without a message catalog (attribute values), replaced in the
 #: Japanese pages once they are written.
 HARD_CODED = ('title="Toggle primary sidebar"', 'title="Toggle secondary sidebar"', 'aria-label="Main"',
               'aria-label="Download this page"')
-_PERMALINK = re.compile(r'title="(Link to this (?:heading|table|image|code|definition|equation))"')
+#: Chrome inside a page's body: the permalinks' titles, the labels of hidden cells (myst-nb's "Show code cell
+#: outputs", a cell's own "Show the answers") and their toggles' aria-labels.
+_BODY_CHROME = re.compile(r'(title="|aria-label="|<p class="(?:collapsed|expanded) admonition-title">)([^"<]+)(?=["<])')
 
 
 class _Terms(gettext.NullTranslations):
@@ -110,7 +115,8 @@ def _page_context(app, pagename, templatename, context, doctree) -> None:
     context["theme_search_bar_text"] = say("Search this book") + "…"
     context["author"] = say(context.get("author") or "")  # terms.json's Japanese for _config.yml's author
     if "body" in context:
-        context["body"] = _PERMALINK.sub(lambda m: f'title="{html.escape(say(m.group(1)))}"', context["body"])
+        context["body"] = _BODY_CHROME.sub(lambda m: m.group(1) + html.escape(say(html.unescape(m.group(2)))),
+                                           context["body"])
     context["script_files"] = [_toggle_hint(script, say) for script in context.get("script_files", [])]
 
 
