@@ -75,9 +75,10 @@ ARTICLE_WORDS = sorted({word for row in glossary() for word in row["article"]}, 
 
 
 def prose(text: str) -> str:
-    """`text` without code (but the prose of MyST directives: admonitions, answers), placeholders, link targets, URLs, English quotations (lines opened by `>`) and
-    quotations of the article (「…」 holding one of the article's words), so what is left is the book's
-    own Japanese. Each removed span becomes a space, so words on its two sides do not join."""
+    """`text` without code (but with the prose of MyST directives: admonitions, answers), placeholders, link
+    targets, URLs, English quotations (lines opened by `>`) and quotations of the article (「…」 holding one
+    of the article's words), so what is left is the book's own Japanese. Each removed span becomes a space,
+    so words on its two sides do not join."""
     text = re.sub(r"(```|~~~)(?!\{).*?\1", " ", text, flags=re.S)  # code blocks; a ```{directive} is prose
     text = re.sub(r"`[^`\n]*`", " ", text)
     text = re.sub(r"\{[^{}\n]*\}", " ", text)
