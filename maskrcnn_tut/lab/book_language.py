@@ -12,7 +12,9 @@ English. For each page under `book/ja/` this extension, on `html-page-context`:
   sphinx-book-theme's own `ja` catalogs, with `terms.json`'s entries for the strings they leave in English
   (`CHROME`, the English messages looked up there first);
 - words sphinx-togglebutton's "Click to show/hide" hint, and the chrome already in the page's body (the
-  permalinks' titles, the labels of hidden cells and answers), in Japanese.
+  permalinks' titles, the labels of hidden cells and answers), in Japanese;
+- once the pages are written, leaves the English edition out of a Japanese page's sidebar and previous/next
+  links (each page links to its English twin at its top).
 
 Every other page is rendered with the project's (English) catalogs, as before: the swap is undone on
 the next page. `_config.yml` names this module under `sphinx.extra_extensions`.
@@ -130,17 +132,32 @@ def _toggle_hint(script, say):
     return type(script)(script.filename, **{**script.attributes, "body": body, "priority": script.priority})
 
 
+#: In a Japanese page's sidebar: the home link (the English preface, the book's root) and the English part
+#: (its caption and its chapters, up to the next part's caption).
+_ENGLISH_NAV = re.compile(r'<ul class="nav bd-sidenav bd-sidenav__home-link">.*?</ul>\s*'
+                          r'|<p aria-level="2" class="caption" role="heading"><span class="caption-text">English</span>'
+                          r'</p>.*?(?=<p aria-level="2" class="caption")', re.S)
+#: A previous/next link out of the Japanese edition (the Japanese preface follows the English part's last page).
+_OUT_OF_EDITION = re.compile(r'<a class="(?:left-prev|right-next)"\s+href="\.\./[^"]*".*?</a>', re.S)
+
+
+def japanese_page(text: str, say) -> str:
+    """A written Japanese page with the chrome its templates hard-code in English in Japanese (`HARD_CODED`),
+    and without the English edition in its sidebar and its previous/next links: the Japanese edition is the
+    reader's book (each page links to its English twin at its top)."""
+    for attribute in HARD_CODED:
+        name, _, value = attribute.partition("=")
+        text = text.replace(attribute, f'{name}="{html.escape(say(value.strip(chr(34))))}"')
+    return _OUT_OF_EDITION.sub("", _ENGLISH_NAV.sub("", text))
+
+
 def _finish(app, exception) -> None:
-    """The hard-coded English attributes (`HARD_CODED`) of the written Japanese pages, in Japanese."""
     if exception is not None or app.builder.format != "html":
         return
     say = japanese_catalogs()["templates"].gettext
     for page in (Path(app.outdir) / PREFIX).rglob("*.html"):
         text = page.read_text(encoding="utf-8")
-        fixed = text
-        for attribute in HARD_CODED:
-            name, _, value = attribute.partition("=")
-            fixed = fixed.replace(attribute, f'{name}="{html.escape(say(value.strip(chr(34))))}"')
+        fixed = japanese_page(text, say)
         if fixed != text:
             page.write_text(fixed, encoding="utf-8")
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from maskrcnn_tut.lab import processes, wording
-from maskrcnn_tut.lab.wording import say
+from maskrcnn_tut.lab import processes
+from maskrcnn_tut.lab.wording import english, joined, say
 
 from .. import distributed as du
 from ..hardware import gpu_count
@@ -71,17 +71,17 @@ def shm_report(path: str | Path = "/dev/shm") -> dict:
         stats = os.statvfs(path)
     except OSError as err:
         return {"path": str(path), "ok": None, "total MiB": None, "free MiB": None,
-                "finding": say("preflight.shm_missing", path=path, error=err.strerror), "fix": shm_fix()}
+                "finding": english("preflight.shm_missing", path=str(path), error=err.strerror), "fix": shm_fix()}
     total, free = stats.f_blocks * stats.f_frsize / 2**20, stats.f_bavail * stats.f_frsize / 2**20
     ok = total >= MIN_SHM_MB
-    finding = say("preflight.shm_size", path=path, total=total, free=free) + (
-        "" if ok else say("preflight.shm_too_small", docker=DOCKER_DEFAULT_SHM_MB))
+    size = english("preflight.shm_size", path=str(path), total=total, free=free)
+    finding = size if ok else joined(size, english("preflight.shm_too_small", docker=DOCKER_DEFAULT_SHM_MB))
     return {"path": str(path), "ok": ok, "total MiB": total, "free MiB": free, "finding": finding,
             "fix": "" if ok else shm_fix()}
 
 
 def shm_fix() -> str:
-    return say("preflight.shm_fix")
+    return english("preflight.shm_fix")
 
 
 def shm_needed_mb(batch_mb: float, workers: int, prefetch_factor: int = 2, processes: int = 1) -> float:
@@ -111,21 +111,25 @@ def preflight(nprocs: int | None = None, sizes_mb: tuple[float, ...] = (1.0, 16.
     shm = shm_report()
     checks = [{"check": "/dev/shm", "ok": shm["ok"], "finding": shm["finding"], "what to do": shm["fix"]}]
     set_here = [row["variable"].split("=")[0] + "=" + row["set here"] for row in nccl_environment() if row["set here"]]
-    checks.append({"check": wording.term("NCCL / torch variables"), "ok": True,
-                   "finding": ", ".join(set_here) or say("preflight.none_set"), "what to do": say("preflight.debug_first")})
+    # recorded in English (`english`), worded in the reader's language where shown: a build's Japanese chapter
+    # reads back what its English chapter measured (stored.within_build)
+    checks.append({"check": "NCCL / torch variables", "ok": True,
+                   "finding": ", ".join(set_here) or english("preflight.none_set"),
+                   "what to do": english("preflight.debug_first")})
     bandwidth = processes.launch(allreduce_bandwidth, nprocs, sizes_mb, backend=backend, timeout_s=120)
     top = max(bandwidth, key=lambda row: row["MB"])
-    checks.append({"check": say("preflight.allreduce_check", processes=nprocs, backend=top["backend"]), "ok": True,
-                   "finding": say("preflight.allreduce_finding", mb=top["MB"], ms=top["ms"], bandwidth=top["bus GB/s"]),
-                   "what to do": say("preflight.allreduce_advice")})
+    checks.append({"check": english("preflight.allreduce_check", processes=nprocs, backend=top["backend"]), "ok": True,
+                   "finding": english("preflight.allreduce_finding", mb=top["MB"], ms=top["ms"],
+                                      bandwidth=top["bus GB/s"]),
+                   "what to do": english("preflight.allreduce_advice")})
     health = gpu_health()
     if health:
         bad = [row for row in health if not row["ok"]]
-        checks.append({"check": say("preflight.gpus_check", gpus=len(health)), "ok": not bad,
-                       "finding": "; ".join(f"GPU {r['gpu']}: {r['finding']}" for r in bad) or say("preflight.all_healthy"),
-                       "what to do": "" if not bad else say("preflight.move_off")})
+        checks.append({"check": english("preflight.gpus_check", gpus=len(health)), "ok": not bad,
+                       "finding": "; ".join(f"GPU {r['gpu']}: {r['finding']}" for r in bad) or
+                       english("preflight.all_healthy"), "what to do": "" if not bad else english("preflight.move_off")})
     else:
-        checks.append({"check": wording.term("GPUs"), "ok": None, "finding": say("preflight.no_gpu"), "what to do": ""})
+        checks.append({"check": "GPUs", "ok": None, "finding": english("preflight.no_gpu"), "what to do": ""})
     return checks, bandwidth, health
 
 

@@ -335,7 +335,7 @@ def buffer_sync_words(broadcasts_per_step: float) -> str:
 
 def cpu_label(processes: int) -> str:
     """What a CPU-only trace ran on: this machine's CPU, never its GPUs (M4)."""
-    return wording.say("traces.cpu_label", processes=processes, cpu=hardware()["cpu"])
+    return wording.english("traces.cpu_label", processes=processes, cpu=hardware()["cpu"])  # shown in the reader's language
 
 
 def chrome_trace(ranks: list[list[dict]]) -> bytes:

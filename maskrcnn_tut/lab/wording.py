@@ -134,9 +134,11 @@ def catalog(name: str) -> dict:
 
 def say(key: str, **values) -> str:
     """The text of `key` ("ch04.scatter_all": entry "scatter_all" of book/prose/ch04.json) in the book's language,
-    its `{placeholders}` filled from `values` with `str.format`."""
+    its `{placeholders}` filled from `values` with `str.format`; a recorded sentence among them (a `Said`, say a
+    finding measured in the other edition's run and read back) is worded in the book's language too."""
     name, _, entry = key.partition(".")
-    return catalog(name)[entry][language()].format(**values)
+    return catalog(name)[entry][language()].format(**{k: shown(v) if isinstance(v, Said) else v
+                                                      for k, v in values.items()})
 
 
 class Said(str):
@@ -163,12 +165,24 @@ def english(key: str, /, **values) -> Said:
     return Said(key, values)
 
 
+#: The key of recorded sentences said one after the other (`joined`).
+JOINED = "joined"
+
+
+def joined(*parts) -> Said:
+    """Recorded sentences (and plain text) one after the other, kept as one value: it reads as the parts'
+    English, and `shown` words each part in the book's language."""
+    return Said(JOINED, {"parts": list(parts)}, english="".join(str(part) for part in parts))
+
+
 def shown(value):
     """A recorded value as the book shows it: a `Said` worded in the book's language (its values
     shown in turn), a string through `term`; anything else as it is."""
     if language() == "en":
         return str(value) if isinstance(value, Said) else value
     if isinstance(value, Said):
+        if value.key == JOINED:
+            return "".join(str(shown(part)) for part in value.values["parts"])
         name, _, entry = value.key.partition(".")
         return catalog(name)[entry][language()].format(**{k: shown(v) for k, v in value.values.items()})
     return term(value) if isinstance(value, str) else value

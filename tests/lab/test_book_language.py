@@ -84,3 +84,18 @@ def test_an_english_page_stays_english_after_a_japanese_one(built):
     assert "Fast distributed Mask R-CNN training in PyTorch" in page and book_language.TITLE_JA not in page
     assert "Toggle primary sidebar" in page and "toggleHintShow = 'Click to show'" in page
     assert not any(re.search(r"[\u3040-\u30ff]", text) for text in visible(page) if text != "ページ")
+
+
+def test_a_japanese_pages_sidebar_and_footer_keep_to_the_japanese_edition():
+    page = ('<ul class="nav bd-sidenav bd-sidenav__home-link"><li><a href="../00_preface.html">Preface: ...</a></li>'
+            '</ul>\n<p aria-level="2" class="caption" role="heading"><span class="caption-text">English</span></p>\n'
+            '<ul class="nav bd-sidenav"><li><a href="../01_why.html">1. Why multiple GPUs</a></li></ul>\n'
+            '<p aria-level="2" class="caption" role="heading"><span class="caption-text">日本語版</span></p>\n'
+            '<ul class="current nav bd-sidenav"><li><a href="00_preface.html">まえがき</a></li></ul>'
+            '<a class="left-prev"\n href="../execution_times.html"><p>How long each chapter took</p></a>'
+            '<a class="right-next"\n href="01_why.html"><p>1. 複数の GPU が必要な理由</p></a>'
+            '<button title="Toggle primary sidebar"></button>')
+    shown = book_language.japanese_page(page, book_language.japanese_catalogs()["templates"].gettext)
+    assert "English" not in shown and "Preface" not in shown and "How long" not in shown
+    assert "日本語版" in shown and "まえがき" in shown and 'href="01_why.html"' in shown
+    assert 'title="左のサイドバーの切り替え"' in shown

@@ -181,18 +181,27 @@ def test_health_advice(ja, monkeypatch, data_time, memory_mb):
 # --------------------------------------------------------------------------- preflight
 
 
+def shown_rows(rows) -> list[dict]:
+    """A lab function's rows as a chapter shows them: its recorded sentences worded in the book's language."""
+    return [{key: shown(value) for key, value in row.items()} for row in rows]
+
+
 def test_preflight_findings(ja, monkeypatch, tmp_path):
-    assert_japanese("preflight", *both(lambda: preflight.shm_report(tmp_path / "nope")))
+    """preflight records its findings in English (`wording.english`: a build's Japanese chapter reads back what
+    the English one measured); shown, they are Japanese."""
+    assert_japanese("preflight", *both(lambda: shown_rows([preflight.shm_report(tmp_path / "nope")])))
     monkeypatch.setattr(preflight.os, "statvfs", lambda path: type("S", (), {"f_blocks": 16384, "f_frsize": 4096,
                                                                               "f_bavail": 8192})())
     monkeypatch.setattr(preflight, "MIN_SHM_MB", 1024)
-    assert_japanese("preflight", *both(lambda: preflight.shm_report(tmp_path)))
+    assert_japanese("preflight", *both(lambda: shown_rows([preflight.shm_report(tmp_path)])))
+    wording.set_language("ja")
+    assert str(preflight.shm_report(tmp_path)["finding"]).isascii()  # recorded in English, whatever the language
     assert_japanese("preflight", *both(lambda: preflight.nccl_environment({"NCCL_DEBUG": "INFO"})))
     monkeypatch.setattr(preflight.processes, "launch", lambda *args, **kwargs: [
         {"MB": 64.0, "ms": 12.345, "bus GB/s": 5.4321, "backend": "gloo"}])
     for gpus in ([], [{"gpu": 0, "ok": True, "finding": "fine"}, {"gpu": 1, "ok": False, "finding": "ECC"}]):
         monkeypatch.setattr(preflight, "gpu_health", lambda gpus=gpus: gpus)
-        en, found = both(lambda: preflight.preflight(2)[0])
+        en, found = both(lambda: shown_rows(preflight.preflight(2)[0]))
         assert [row["ok"] for row in found] == [row["ok"] for row in en]
         assert_japanese("preflight", en, found)
     diagnosis = {"ranks": [{"rank": 0, "waiting in a collective": True, "collective": "all_reduce",
@@ -213,7 +222,9 @@ def test_trace_table_and_sentences(ja, monkeypatch):
     assert_japanese("traces", *both(lambda: [row["run"] for row in trace.table()]))
     assert_japanese("traces", *both(lambda: traces.buffer_sync_words(3)))
     monkeypatch.setattr(traces, "hardware", lambda: {"cpu": "Intel Xeon"})
-    assert_japanese("traces", *both(lambda: traces.cpu_label(2)))
+    assert_japanese("traces", *both(lambda: shown(traces.cpu_label(2))))
+    label = traces.cpu_label(2)  # recorded in English; passed to a sentence, worded in the book's language
+    assert str(label).isascii() and shown(label) in wording.say("scale_findings.includes_one", within=label)
 
 
 # --------------------------------------------------------------------------- article and dataparallel
