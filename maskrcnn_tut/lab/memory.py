@@ -40,7 +40,7 @@ from .provenance import provenance
 from .rig import Rig, build_rig, synthetic_batches
 from .stored.result import BenchResult, python_call, register_plot
 from .synthetic import synthetic_batch
-from .wording import english, shown, term
+from .wording import english, say, shown, term
 
 MIB = 2**20
 #: The GPU the article recommends (RTX 2080 Ti, 11 GB): the default line in `memory_table`'s plot.
@@ -224,7 +224,9 @@ def plot_memory_table(result: BenchResult):
     bottom = [0.0] * len(labels)
     for part in parts:
         values = [row[part] / 1024 for row in result.rows]
-        ax.bar(labels, values, bottom=bottom, label=term(part.replace(" MiB", "")))
+        # the legend's "activations", not the status column's (terms.json words that one 活性値の求め方)
+        ax.bar(labels, values, bottom=bottom, label=say("memory.legend_activations") if part == "activations MiB"
+               else term(part.replace(" MiB", "")))
         bottom = [b + v for b, v in zip(bottom, values)]
     limit = result.provenance.get("gpu_memory_gb_compared")
     if limit:
