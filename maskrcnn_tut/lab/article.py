@@ -220,7 +220,8 @@ def stack_today(report: list[dict] | None = None) -> list[dict]:
 #: 0.02` for 8 GPUs x 2 images, momentum 0.9, `--wd 1e-4` with `--norm-weight-decay` unset, so on every
 #: parameter, a linear warm-up over the first 1000 iterations, `--amp` off).
 TORCHVISION_REFERENCE = {
-    "backbone at the start": "ImageNet weights", "normalization": "frozen BatchNorm", "epochs": 26,
+    "backbone at the start": "ImageNet weights", "backbone layers trained": "layer2 to layer4 (stem and layer1 frozen)",
+    "normalization": "frozen BatchNorm", "epochs": 26,
     "images per GPU": 2, "lr for 16 images": 0.02, "momentum": 0.9, "weight decay": "0.0001 on every parameter",
     "warm-up": "1000 steps", "lr decay": "x0.1 at 16/26 and 22/26", "aspect-ratio grouping": "factor 3",
     "AMP": "off", "DataLoader workers per process": 4,
@@ -236,6 +237,7 @@ def reference_recipe() -> list[dict]:
     mine = {
         "backbone at the start": say("article.local_file", path=cfg.weights_backbone) if cfg.weights_backbone else
         say("article.from_scratch"),
+        "backbone layers trained": term("all layers"),  # model.build_model freezes none
         "normalization": term({"gn": "GroupNorm", "frozen": "frozen BatchNorm", "bn": "BatchNorm"}[cfg.norm]),
         "epochs": cfg.epochs, "images per GPU": cfg.batch_size,
         "lr for 16 images": round(cfg.lr * lr_scale(cfg, 16), 6), "momentum": cfg.momentum,

@@ -24,7 +24,7 @@ from ..engine import StepRecord
 from ..monitor import metrics_row
 from .bench import measure
 from .book_fonts import fit_titles
-from .device_memory import device_memory_mb
+from .device_memory import device_memory_mb, releases_gpu_cache
 from .health import MAX_MEMORY_FRACTION
 from .nvml import GPUSampler
 from .provenance import hardware_label
@@ -147,6 +147,7 @@ class WatchedRun:
         return plot_metrics(self.rows, title, self.total_memory_mb)
 
 
+@releases_gpu_cache
 def watch_training(cfg: Config, steps: int = 16, warmup: int = 2, redraw_every: int = 8,
                    interval_s: float = 0.5) -> WatchedRun:
     """Train `warmup + steps` steps of `cfg` through `bench.measure` (the same `engine.train_step` as

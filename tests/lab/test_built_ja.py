@@ -32,28 +32,6 @@ ALLOWED = ("Accurate, Large Minibatch SGD", "A Recipe for Training Neural Networ
            "Accelerating PyTorch with CUDA Graphs", "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms",
            "Fast distributed Mask R-CNN training in PyTorch", "NVIDIA DGX-1", "Ultra-Scale Playbook",
            "stack expects each tensor to be equal size, but got")  # torch's error, printed by chapter 3
-#: English a chapter's code cell prints without wording it (the cell is the English edition's too, so the
-#: fix is a change to both editions' cell): page -> the phrases, until the cell says them through `wording`.
-#: `test_the_pending_english_is_still_there` fails once a phrase is gone, so the list cannot outlive its fix.
-PENDING = {
-    # ch09: print(f"read with {tool}; rank {n}'s stack:")  -> wording.say(...)
-    "09_troubleshooting": ("read with py-spy; rank",),
-    # ch12: coco128["hardware"], coco128["load"] and each overlay's description printed as stored
-    # -> wording.term(...) (terms.json has their Japanese)
-    "12_after_the_course": ("cores were shared with", "other engineers' test runs: load average",
-                            "during the runs, which ran at nice", "so every time below is under that load",
-                            "about a tenth of the machine", "not this machine's speed", "the zebra is found",
-                            "the lunch boxes half right", "masks are ragged blotches", "a train and trees",
-                            "masks flooding the background", "not outlined", "a mantel clock and an owl candle holder",
-                            "over the clock and the wall", "masks on the wall", "no clock class",
-                            "the model only knows the", "three giraffes at a feeder",
-                            "giraffe is one of the memorized classes", "nothing drawn", "its best detections are",
-                            "under the", "overlay threshold", "spilling a little onto the grass between the legs",
-                            "over the whole lower-left container and", "on the top-right one", "on the bread, a wrong",
-                            "tight around it, the mask follows its body and neck closely", "nothing else drawn",
-                            "over the sky and the tree", "and the small potted plants of its annotation",
-                            "and below", "no GPU"),
-}
 #: Three or more English words in a row (a word may end in , ; or :), two of them lowercase words, make a
 #: sentence (or an English label: "training wall time").
 SENTENCE = re.compile(r"(?<![\w./-])(?:[A-Za-z][A-Za-z'’-]*[,;:]?[ \t]+){2,}[A-Za-z][A-Za-z'’-]*(?![\w./(-])")
@@ -170,8 +148,6 @@ def test_a_built_japanese_page_is_japanese(page):
     found = [sentence for text in parsed.texts() for sentence in english_sentences(text)]
     if page.stem == "glossary":  # its English column
         found = [sentence for sentence in found if sentence not in {row["english"] for row in glossary()}]
-    pending = PENDING.get(page.stem, ())
-    found = [sentence for sentence in found if not any(part in sentence or sentence in part for part in pending)]
     assert not found, f"English sentences on {page.name}: {found}"
     chrome = [text for text in parsed.attributes if re.fullmatch(r"(Search|Toggle \w+ sidebar|Download this page|"
                                                                 r"Link to this \w+|Main|Color mode)\W*", text)]
@@ -182,13 +158,3 @@ def test_a_built_japanese_page_is_japanese(page):
 def test_every_japanese_page_is_built():
     expected = {path.stem for path in (ROOT / "book" / "ja").glob("[0-9][0-9]_*.ipynb")} | {"glossary"}
     assert expected <= {page.stem for page in PAGES}
-
-
-@pytest.mark.skipif(not PAGES, reason="the book is not built (jupyter-book build .)")
-@pytest.mark.parametrize("name", PENDING)
-def test_the_pending_english_is_still_there(name):
-    """Each pending phrase is still printed in English: once its cell words it, remove it from `PENDING`."""
-    page = BUILT / f"{name}.html"
-    text = "\n".join(read(page).texts())
-    gone = [phrase for phrase in PENDING[name] if phrase not in text]
-    assert not gone, f"{name}: now in Japanese, remove from PENDING: {gone}"
