@@ -6,7 +6,7 @@ a verdict from `wording`; the chapter keeps only its sentences. Nothing here mea
 
 - `gradient_noise(rows)`: noise against the 1/B line (chapter 1).
 - `run_health(rows)`: data share and peak-memory growth of a monitored run (chapter 8).
-- `curve_against_paper(curve, paper, busy)`: the measured scaling against its predicted bounds (chapter 8).
+- `curve_against_paper(curve, paper, busy, link)`: the measured scaling against its predicted bounds (chapter 8).
 - `backward_share(records)`: the share of a measured step after forward, which an all-reduce can hide behind.
 - `paper_bound(paper, devices, link)`, `article_bounds(...)`, `first_inefficient(paper)`: scaling on
   paper for the article's GPU and NVIDIA's published run (chapter 8).
@@ -75,14 +75,14 @@ def paper_bound(paper: list[dict], devices: int, link: str) -> float:
     return paper_row(paper, devices, link)["efficiency not overlapped"]
 
 
-def curve_against_paper(curve_top: dict, paper: list[dict], busy: bool) -> dict:
-    """The scaling curve's last point against the prediction over the measured link ("measured
-    here"): `bounds` (speedup not overlapped, overlapped) and `verdict`: BUSY (measured on a busy
+def curve_against_paper(curve_top: dict, paper: list[dict], busy: bool, link: str) -> dict:
+    """The scaling curve's last point against the prediction over `link`, the link measured on this
+    machine (named in the book's language): `bounds` (speedup not overlapped, overlapped) and `verdict`: BUSY (measured on a busy
     machine), ABOVE_DEVICES (its range lies above N, which only noise can do), else its range
     against the not-overlapped bound: FASTER above it (the all-reduce does not limit it),
     WITHIN_NOISE, SLOWER below (it loses more than the all-reduce), NO_SPREAD."""
     n = curve_top["devices"]
-    row = paper_row(paper, n, "measured here")
+    row = paper_row(paper, n, link)
     bounds = (row["speedup not overlapped"], row["speedup overlapped"])
     verdict = (BUSY if busy else ABOVE_DEVICES if wording.compare_to(curve_top, float(n)).verdict == FASTER
                else wording.compare_to(curve_top, bounds[0]).verdict)

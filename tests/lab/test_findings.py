@@ -268,7 +268,7 @@ def top(speedup: float, spread: float | None = 0.02) -> dict:
     (top(1.8), False, FASTER), (top(1.6), False, WITHIN_NOISE), (top(1.2), False, SLOWER),
     (top(1.2, None), False, NO_SPREAD)])
 def test_curve_against_paper(point, busy, verdict):
-    found = scale_findings.curve_against_paper(point, PAPER, busy)
+    found = scale_findings.curve_against_paper(point, PAPER, busy, "measured here")
     assert found["verdict"] == verdict and found["bounds"] == pytest.approx((1.6, 1.7))
 
 
