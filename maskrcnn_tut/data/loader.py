@@ -314,6 +314,12 @@ def _disarm_half_made_iterator(err: BaseException) -> None:
         tb = tb.tb_next
 
 
+def end_workers(loader: DataLoader) -> None:
+    """End a loader's persistent workers now, not when a garbage collection finds the loader: for a
+    caller that leaves a stream mid-epoch and goes on in the same process (a notebook's benchmark)."""
+    _end_workers(loader, getattr(loader, "_iterator", None))
+
+
 def _end_workers(loader: DataLoader, batches) -> None:
     """End a failed iterator's workers now. The error's traceback holds the iterator in a reference
     cycle (and the loader keeps persistent workers' iterator), so they would live on until a garbage

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 
 from maskrcnn_tut.lab import bench
 
@@ -18,3 +19,4 @@ def test_each_bare_step_repeats_the_loops_step_and_the_workers_cpu_is_read():
     assert any("pack into shared memory" in note for note in result.notes)
     assert any("Rounds alternate" in note for note in result.notes)
     json.dumps(result.to_dict())  # what the bench cache writes: its notes' values are plain data (a device was not)
+    assert multiprocessing.active_children() == []  # its persistent workers ended, not left for a garbage collection

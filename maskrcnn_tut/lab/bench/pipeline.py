@@ -34,7 +34,7 @@ import torch
 from ... import distributed as du
 from ...config import derive, make_config
 from ...data.device_decode import apply_transforms
-from ...data.loader import batch_stream, build_dataset, build_train_loader, to_device, worker_count
+from ...data.loader import batch_stream, build_dataset, build_train_loader, end_workers, to_device, worker_count
 from ...data.packing import pack
 from ...engine import TrainState, after_step
 from ...monitor import MetricsLogger, StragglerCheck
@@ -89,6 +89,7 @@ def worker_cost(preset: str | None = None, data_path: str | None = None, workers
         cpu = workers_cpu_seconds(loader)
     main = time.process_time() - main
     batches.close()
+    end_workers(loader)
     cpu = None if cpu is None or first is None else cpu - first
     pieces = {"decode": 0.0, "masks": 0.0, "transforms": 0.0, "pack": 0.0}
     count = len(dataset)
@@ -243,7 +244,8 @@ def pipeline(preset: str | None = None, data_path: str | None = None, workers: i
         for number in range(rounds):
             loops.round(number, steps)
         logger.close()
-    loops.stream.close()  # the loop's batches end; its workers sit idle while the workers alone are timed
+    loops.stream.close()
+    end_workers(rig.loader)  # before the workers alone are timed, and not left beside a notebook's next processes
     cost = worker_cost(preset, data_path, workers, batch_size, **overrides)
     ratios = [a / b for a, b in zip(loops.wall[LOOPS[0]], loops.wall[LOOPS[1]])]
     notes = [english("bench.pipeline_setup", preset=rig.cfg.preset, backbone=rig.cfg.backbone,
