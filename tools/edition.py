@@ -1,6 +1,7 @@
 """Keep the Japanese edition's chapters in step with the English ones.
 
     python tools/edition.py sync [book/04_dataparallel_vs_ddp.ipynb ...]
+    python tools/edition.py translated book/ja/04_dataparallel_vs_ddp.ipynb 19 [20 ...]
 
 For each English chapter `book/NN_name.ipynb`, `book/ja/NN_name.ipynb` gets the English code cells
 (tags and all) with the one line that differs, `book.set_language("ja")`, and keeps its own Japanese
@@ -10,11 +11,16 @@ Japanese file yet is created with the English markdown, to be translated. Both e
 markdown cell gets the link to the other edition under its title. The cells must line up (markdown
 where markdown, code where code); where an English edit added or removed a cell, sync stops and says
 which, so the translation is edited by hand first.
+
+Each Japanese markdown cell records, in its metadata, a hash of the English cell it translates
+(`translates`): an English edit to a markdown cell leaves that hash behind, and a test names the cell.
+Once it is translated again, `translated` records the English as it now reads.
 tests/lab/test_editions.py checks what sync makes. Not part of the installed package (it needs nbformat).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import sys
 from pathlib import Path
@@ -26,6 +32,12 @@ JA = BOOK / "ja"
 LANGUAGE_LINE = 'book.set_language("{lang}")'
 LINKS = {"en": "*[日本語版](ja/{name})*", "ja": "*[English edition](../{name})*"}
 LINK_LINE = re.compile(r"^\*\[(日本語版|English edition)\]\([^)]*\)\*$", re.M)
+TRANSLATES = "translates"
+
+
+def english_hash(source: str) -> str:
+    """What a Japanese markdown cell records of the English cell it translates (the link line left out)."""
+    return hashlib.sha1(LINK_LINE.sub("", source).strip().encode()).hexdigest()[:12]
 
 
 def japanese_code(source: str) -> str:
@@ -59,8 +71,9 @@ def sync(english: Path) -> Path:
             new.source = japanese_code(cell.source)
             if ja is not None and ja.cells[i].source == new.source:  # unchanged: keep the Japanese run's outputs
                 new.outputs = ja.cells[i].outputs
-        elif ja is not None:
+        elif ja is not None:  # a cell synced before its hash was kept records the English of today
             new.source = ja.cells[i].source
+            new.metadata[TRANSLATES] = ja.cells[i].metadata.get(TRANSLATES, english_hash(cell.source))
         cells.append(new)
     en.cells[0].source = with_link(en.cells[0].source, "en", english.name)
     cells[0].source = with_link(cells[0].source, "ja", english.name)
@@ -71,11 +84,27 @@ def sync(english: Path) -> Path:
     return target
 
 
+def mark_translated(japanese: Path, cells: list[int]) -> None:
+    """Record that the Japanese markdown `cells` translate their English cells as these read now."""
+    en, ja = (nbformat.read(path, as_version=4) for path in (BOOK / japanese.name, japanese))
+    for i in cells:
+        if ja.cells[i].cell_type != "markdown":
+            raise SystemExit(f"{japanese}: cell {i} is a code cell; sync copies those")
+        ja.cells[i].metadata[TRANSLATES] = english_hash(en.cells[i].source)
+    nbformat.write(ja, japanese)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("command", choices=["sync"])
-    parser.add_argument("chapters", nargs="*", type=Path, help="English chapters (default: all)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("sync").add_argument("chapters", nargs="*", type=Path, help="English chapters (default: all)")
+    translated = commands.add_parser("translated")
+    translated.add_argument("chapter", type=Path, help="a Japanese chapter")
+    translated.add_argument("cells", nargs="+", type=int, help="its markdown cells now translated (0-based)")
     args = parser.parse_args(argv)
+    if args.command == "translated":
+        mark_translated(args.chapter, args.cells)
+        return 0
     for english in args.chapters or sorted(BOOK.glob("[0-9][0-9]_*.ipynb")):
         print(sync(english))
     return 0

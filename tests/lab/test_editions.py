@@ -8,6 +8,7 @@ no English paragraph.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -21,6 +22,9 @@ BOOK = ROOT / "book"
 CHAPTERS = sorted(BOOK.glob("[0-9][0-9]_*.ipynb"))
 LANGUAGE_LINE = 'book.set_language("{}")'
 JAPANESE = re.compile(r"[\u3040-\u30ff\u4e00-\u9fff]")
+_spec = importlib.util.spec_from_file_location("edition", ROOT / "tools" / "edition.py")
+edition = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(edition)
 
 
 def read(path: Path):
@@ -45,6 +49,36 @@ def test_the_japanese_code_cells_are_the_english_ones_but_for_the_language(chapt
     for a, b in zip(english, japanese):
         assert b.source.replace(LANGUAGE_LINE.format("ja"), LANGUAGE_LINE.format("en")) == a.source
         assert a.metadata.get("tags", []) == b.metadata.get("tags", [])
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem[:2])
+def test_each_japanese_paragraph_translates_the_english_as_it_reads_now(chapter):
+    en, ja = read(chapter), read(BOOK / "ja" / chapter.name)
+    behind = [i for i, (a, b) in enumerate(zip(en.cells, ja.cells)) if a.cell_type == "markdown"
+              and b.metadata.get(edition.TRANSLATES) != edition.english_hash(a.source)]
+    assert not behind, (f"the English of cells {behind} changed since their Japanese was written: translate them, "
+                        f"then `python tools/edition.py translated book/ja/{chapter.name} {' '.join(map(str, behind))}`")
+
+
+def test_an_english_edit_leaves_its_translation_behind(tmp_path, monkeypatch):
+    """What the test above reads: sync keeps the hash a translation recorded, so an English edit shows."""
+    english, japanese = CHAPTERS[0], BOOK / "ja" / CHAPTERS[0].name
+    monkeypatch.setattr(edition, "BOOK", tmp_path)
+    monkeypatch.setattr(edition, "JA", tmp_path / "ja")
+    (tmp_path / "ja").mkdir()
+    en = read(english)
+    at = next(i for i, cell in enumerate(en.cells) if i and cell.cell_type == "markdown")
+    nbformat.write(read(japanese), tmp_path / "ja" / english.name)
+    nbformat.write(en, tmp_path / english.name)
+    edition.sync(tmp_path / english.name)  # the translation as it stands records the English it translates
+    en.cells[at].source += "\n\nA sentence added in English."
+    nbformat.write(en, tmp_path / english.name)
+    edition.sync(tmp_path / english.name)
+    synced = read(tmp_path / "ja" / english.name).cells[at]
+    assert synced.metadata[edition.TRANSLATES] != edition.english_hash(en.cells[at].source)
+    edition.mark_translated(tmp_path / "ja" / english.name, [at])
+    assert read(tmp_path / "ja" / english.name).cells[at].metadata[edition.TRANSLATES] == edition.english_hash(
+        en.cells[at].source)
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem[:2])
