@@ -34,7 +34,6 @@ MLPERF = {"minutes": 19.18, "hardware": "8x H100", "source": "MLPerf Training v3
 H200_FILE, H200_PART, H200_ROW = "1x-nvidia-h200-2026-12-04.json", "amp", "fp32 (no autocast)"
 #: A step over this many times its row's median step met a new input shape (`gpu_files.SLOW_FACTOR`).
 SLOW_FACTOR = 2.0
-#: COCO 2017's training images.
 #: Images in COCO train2017, the dataset behind the usual Mask R-CNN schedules.
 COCO_TRAIN_IMAGES = 118_287
 #: NVIDIA's published AMP speed-up for its PyTorch Mask R-CNN against TF32 (DeepLearningExamples,

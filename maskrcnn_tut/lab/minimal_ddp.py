@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, collate_fn=collate)
     checkpoint, start, log = Path(args.out) / "checkpoint.pt", 0, Log()
     if args.resume and checkpoint.exists():  # (7) rank 0's tensors, onto this rank's device
-        state = torch.load(checkpoint, map_location=device)
+        state = torch.load(checkpoint, map_location=device, weights_only=True)  # tensors and numbers, no code
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["epoch"] + 1
@@ -160,7 +160,7 @@ def runs(folder: Path | str, epochs: int = 3, show=print) -> dict:
         if done.returncode:
             raise RuntimeError(f"minimal_ddp.py failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
         found[name] = json.loads((out / "report.json").read_text())
-        found[name + " checkpoint"] = torch.load(out / "checkpoint.pt", map_location="cpu")
+        found[name + " checkpoint"] = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
     return found
 
 
